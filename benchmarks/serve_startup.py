@@ -1,0 +1,131 @@
+"""Time from launching ``nybble serve`` to the first answered request (bundled model).
+
+Each run starts ``python -m nybble serve`` as a fresh subprocess on a free loopback port and
+records, in seconds since the launch:
+
+- ``url_logged_s``: the server logged its URL (the user sees where to connect);
+- ``first_answer_s``: the first ``POST /v1/completions`` (``max_tokens=1``) returned 200,
+  polling every 20 ms from the launch;
+- ``engine_init_s``: the server's own "engine ready in" figure (tokenizer, weights, KV cache);
+- ``cpu_s``: CPU seconds (user + system) the server process used from launch to exit, a
+  figure that does not depend on how busy a shared machine is.
+
+Usage: ``python benchmarks/serve_startup.py [--runs 5] [--model PATH]``; prints a table and
+writes ``benchmarks/results/serve_startup.json``. Target: first answer under 3 s.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import resource
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # run from a checkout without installing
+from nybble.bench.report import print_table, write_json
+
+POLL_S = 0.02
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def one_run(model: str | None, timeout_s: float) -> dict[str, float]:
+    """Launch, wait for the first answer, shut down; returns the run's timings (seconds).
+
+    Raises:
+        RuntimeError: the server exited or did not answer within ``timeout_s``.
+    """
+    port = _free_port()
+    cmd = [sys.executable, "-m", "nybble", "serve", "--port", str(port),
+           "--uvicorn-log-level", "warning", *([model] if model else [])]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    cpu0 = _children_cpu_s()
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    url_logged: list[float] = []
+    log: list[str] = []
+
+    def read_log() -> None:
+        assert proc.stdout is not None
+        for raw in proc.stdout:
+            line = raw.decode(errors="replace")
+            log.append(line)
+            if not url_logged and f"127.0.0.1:{port}" in line:
+                url_logged.append(time.monotonic() - t0)
+
+    reader = threading.Thread(target=read_log, daemon=True)
+    reader.start()
+    body = {"prompt": "Once upon a time", "max_tokens": 1}
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"server exited with {proc.returncode}:\n{''.join(log)}")
+                if time.monotonic() - t0 > timeout_s:
+                    raise RuntimeError(f"no answer within {timeout_s} s:\n{''.join(log)}")
+                try:
+                    if client.post("/v1/completions", json=body).status_code == 200:
+                        first_answer = time.monotonic() - t0
+                        break
+                except httpx.TransportError:
+                    pass
+                time.sleep(POLL_S)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        reader.join(timeout=5)
+    ready = re.search(r"engine ready in ([0-9.]+) s", "".join(log))
+    return {"url_logged_s": url_logged[0] if url_logged else float("nan"),
+            "first_answer_s": first_answer,
+            "engine_init_s": float(ready.group(1)) if ready else float("nan"),
+            "cpu_s": _children_cpu_s() - cpu0}
+
+
+def _children_cpu_s() -> float:
+    """User + system CPU seconds of the waited-for child processes so far."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--runs", type=int, default=5, help="number of cold starts")
+    parser.add_argument("--model", default=None, help="model folder (default: bundled)")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds per run")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
+                                                      "serve_startup.json"))
+    args = parser.parse_args()
+    rows = []
+    for i in range(args.runs):
+        rows.append({"run": i, **one_run(args.model, args.timeout)})
+    firsts = [r["first_answer_s"] for r in rows]
+    summary = {"median_first_answer_s": statistics.median(firsts),
+               "min_first_answer_s": min(firsts), "max_first_answer_s": max(firsts),
+               "median_cpu_s": statistics.median(r["cpu_s"] for r in rows),
+               "target_s": 3.0, "load_avg_1m": os.getloadavg()[0]}
+    print_table(rows, title="nybble serve: launch -> first answered request (seconds)")
+    print_table([summary])
+    write_json(args.out, {"benchmark": "serve_startup", "model": args.model or "bundled",
+                          "runs": rows, "summary": summary})
+
+
+if __name__ == "__main__":
+    main()

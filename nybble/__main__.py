@@ -1,0 +1,6 @@
+"""``python -m nybble`` runs the command line."""
+import sys
+
+from nybble.cli import main
+
+sys.exit(main())

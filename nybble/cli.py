@@ -1,0 +1,46 @@
+"""The ``nybble`` command: one entry point, one subcommand per job.
+
+Each subcommand lives next to the code it drives and exposes ``register(subparsers)``, which
+adds its parser and sets ``func`` (called with the parsed namespace, returns an exit code).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+# module -> the subcommands it registers (imported lazily so `nybble --help` stays fast)
+_SUBCOMMAND_MODULES = (
+    "nybble.server.cli",      # serve
+    "nybble.generate_cli",    # generate
+    "nybble.quant.cli",       # quantize, eval-ppl
+    "nybble.bench.cli",       # bench throughput | serve
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full ``nybble`` argument parser with every subcommand."""
+    parser = argparse.ArgumentParser(
+        prog="nybble",
+        description="nybble: quantization-first LLM inference and serving engine.")
+    parser.add_argument("--log-level", default="INFO",
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="logging level")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name in _SUBCOMMAND_MODULES:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the ``nybble`` command line; returns the process exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: "
+                        "%(message)s", datefmt="%H:%M:%S")
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""One frozen configuration object that flows down from the CLI / ``LLM(...)`` kwargs.
+
+``EngineConfig`` composes :class:`ModelConfig`, :class:`CacheConfig` and
+:class:`SchedulerConfig`. Every field is validated at construction with a message that
+names the value received and the allowed range. Nothing mutates a config after it is built;
+values derived at start-up (the number of KV blocks, the EOS ids) live in
+``nybble.runtime.kv_cache.KVCacheSpec`` and ``nybble.models.ModelInfo``.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+DEFAULT_MODEL = os.path.join(os.path.dirname(__file__), "_bundled", "stories260k")
+"""Path of the bundled real model (Karpathy's stories260K in Hugging Face Llama format)."""
+
+_DTYPES = ("auto", "float32", "float16", "bfloat16")
+_ATTN_BACKENDS = ("auto", "torch", "triton")
+_QUANT = (None, "awq", "gptq", "compressed-tensors")
+
+
+def _check(ok: bool, name: str, allowed: str, value: object) -> None:
+    if not ok:
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which model to load and how.
+
+    Attributes:
+        model: path of a Hugging Face model folder (config.json + *.safetensors + tokenizer).
+        tokenizer: tokenizer folder; defaults to ``model``.
+        dtype: ``auto`` (the checkpoint's ``torch_dtype``; float16 for quantized checkpoints
+            on GPU, float32 on CPU), ``float32``, ``float16`` or ``bfloat16``.
+        max_model_len: longest sequence (prompt + output, tokens); default: the model's
+            ``max_position_embeddings``.
+        quantization: force ``awq`` / ``gptq`` / ``compressed-tensors``; must match the
+            checkpoint. ``None``: detect from ``quantization_config``.
+        device: ``cpu``, ``cuda`` or ``auto`` (cuda when available).
+        seed: seed of the global sampling generator (requests without their own seed).
+        served_model_name: name reported by the API; default: the folder name.
+    """
+
+    model: str = DEFAULT_MODEL
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    quantization: str | None = None
+    device: str = "auto"
+    seed: int = 0
+    served_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        _check(self.dtype in _DTYPES, "dtype", f"one of {_DTYPES}", self.dtype)
+        _check(self.quantization in _QUANT, "quantization", f"one of {_QUANT}", self.quantization)
+        _check(self.device in ("auto", "cpu", "cuda"), "device", "auto, cpu or cuda", self.device)
+        _check(self.max_model_len is None or self.max_model_len >= 1,
+               "max_model_len", ">= 1", self.max_model_len)
+
+    @property
+    def name(self) -> str:
+        """The model name the API reports."""
+        return self.served_model_name or os.path.basename(os.path.normpath(self.model))
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache sizing.
+
+    Attributes:
+        block_size: tokens per KV block (8, 16 or 32; default 16).
+        num_gpu_blocks: number of KV blocks; overrides ``kv_cache_memory``.
+        kv_cache_memory: KV cache budget in bytes, turned into blocks at start-up.
+            Default when neither is set: 256 MiB (CPU) or 90% of free GPU memory.
+    """
+
+    block_size: int = 16
+    num_gpu_blocks: int | None = None
+    kv_cache_memory: int | None = None
+
+    def __post_init__(self) -> None:
+        _check(self.block_size in (8, 16, 32), "block_size", "8, 16 or 32", self.block_size)
+        _check(self.num_gpu_blocks is None or self.num_gpu_blocks >= 1,
+               "num_gpu_blocks", ">= 1", self.num_gpu_blocks)
+        _check(self.kv_cache_memory is None or self.kv_cache_memory >= 1,
+               "kv_cache_memory", ">= 1 byte", self.kv_cache_memory)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Iteration-level scheduling limits.
+
+    Attributes:
+        max_num_seqs: most sequences in one step (the running-set cap).
+        max_num_batched_tokens: token budget of one step (decode tokens + prefill chunks).
+        enable_chunked_prefill: split prompts longer than the remaining budget across steps.
+    """
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        _check(self.max_num_seqs >= 1, "max_num_seqs", ">= 1", self.max_num_seqs)
+        _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", ">= 1",
+               self.max_num_batched_tokens)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs, built once (``EngineConfig.from_kwargs``).
+
+    Attributes:
+        model_config, cache_config, scheduler_config: the parts.
+        attention_backend: ``auto`` (Triton on CUDA, torch on CPU), ``torch`` or ``triton``.
+        disable_log_stats: do not log the periodic stats line.
+    """
+
+    model_config: ModelConfig = field(default_factory=ModelConfig)
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    attention_backend: str = "auto"
+    disable_log_stats: bool = False
+
+    def __post_init__(self) -> None:
+        _check(self.attention_backend in _ATTN_BACKENDS, "attention_backend",
+               f"one of {_ATTN_BACKENDS}", self.attention_backend)
+
+    @classmethod
+    def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> EngineConfig:
+        """Build from flat vLLM-style keyword arguments (``max_num_seqs=...``, ``dtype=...``).
+
+        Raises:
+            TypeError: an argument that no part of the config knows.
+            ValueError: a value outside its range.
+        """
+        parts: dict[type, dict[str, Any]] = {ModelConfig: {}, CacheConfig: {},
+                                             SchedulerConfig: {}, cls: {}}
+        if model is not None:
+            parts[ModelConfig]["model"] = model
+        for key, value in kwargs.items():
+            for part in parts:
+                if key in {f.name for f in fields(part)}:
+                    parts[part][key] = value
+                    break
+            else:
+                raise TypeError(f"unknown engine argument {key!r}")
+        return cls(model_config=ModelConfig(**parts[ModelConfig]),
+                   cache_config=CacheConfig(**parts[CacheConfig]),
+                   scheduler_config=SchedulerConfig(**parts[SchedulerConfig]),
+                   **parts[cls])

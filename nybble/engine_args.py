@@ -1,0 +1,81 @@
+"""The engine flags shared by ``nybble serve``, ``generate`` and ``bench`` (vLLM's names)."""
+from __future__ import annotations
+
+import argparse
+
+from nybble.config import DEFAULT_MODEL, EngineConfig
+
+
+def _parse_bytes(text: str) -> int:
+    """``"512MiB"``, ``"2GiB"``, ``"1e9"`` or plain bytes -> int bytes."""
+    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6,
+             "gb": 10**9, "b": 1}
+    lower = text.strip().lower()
+    for suffix, mult in units.items():
+        if lower.endswith(suffix):
+            return int(float(lower[: -len(suffix)]) * mult)
+    return int(float(lower))
+
+
+def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = False) -> None:
+    """Add the engine flags to ``parser``.
+
+    Args:
+        model_positional: take the model as an optional positional argument (``nybble serve
+            [MODEL]``) as well as ``--model``.
+    """
+    if model_positional:
+        parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                            help="model folder (Hugging Face layout); default: the bundled "
+                                 "stories260k model")
+    parser.add_argument("--model", default=None,
+                        help=f"model folder (Hugging Face layout); default: {DEFAULT_MODEL}")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model)")
+    parser.add_argument("--dtype", default="auto",
+                        choices=["auto", "float32", "float16", "bfloat16"],
+                        help="weight and activation dtype (auto: the checkpoint's on GPU, "
+                             "float32 on CPU)")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="longest sequence in tokens, prompt + output "
+                             "(default: the model's max_position_embeddings)")
+    parser.add_argument("--quantization", "-q", default=None,
+                        choices=["awq", "gptq", "compressed-tensors"],
+                        help="quantization method; must match the checkpoint "
+                             "(default: detected from its quantization_config)")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                        help="where the model runs (auto: cuda when available)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the sampler for requests without their own seed")
+    parser.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32],
+                        help="tokens per KV-cache block")
+    parser.add_argument("--num-gpu-blocks", type=int, default=None,
+                        help="number of KV-cache blocks (overrides --kv-cache-memory)")
+    parser.add_argument("--kv-cache-memory", type=_parse_bytes, default=None,
+                        help="KV-cache budget in bytes, e.g. 256MiB (default: 256MiB on CPU, "
+                             "90%% of free memory on GPU)")
+    parser.add_argument("--max-num-seqs", type=int, default=256,
+                        help="most sequences in one engine step")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                        help="token budget of one engine step (decode + prefill chunks)")
+    parser.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill",
+                        action="store_false",
+                        help="admit a prompt only when it fits the step's token budget whole")
+    parser.add_argument("--attention-backend", default="auto",
+                        choices=["auto", "torch", "triton"],
+                        help="attention kernels (auto: triton on CUDA, torch on CPU)")
+    parser.add_argument("--disable-log-stats", action="store_true",
+                        help="do not log the periodic stats line")
+
+
+def engine_config_from_args(args: argparse.Namespace,
+                            served_model_name: str | None = None) -> EngineConfig:
+    """Build the :class:`EngineConfig` from parsed :func:`add_engine_args` flags."""
+    model = getattr(args, "model_tag", None) or args.model or DEFAULT_MODEL
+    return EngineConfig.from_kwargs(
+        model=model, tokenizer=args.tokenizer, dtype=args.dtype,
+        max_model_len=args.max_model_len, quantization=args.quantization, device=args.device,
+        seed=args.seed, served_model_name=served_model_name, block_size=args.block_size,
+        num_gpu_blocks=args.num_gpu_blocks, kv_cache_memory=args.kv_cache_memory,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        attention_backend=args.attention_backend, disable_log_stats=args.disable_log_stats)

@@ -1,0 +1,36 @@
+"""Exception hierarchy for nybble.
+
+User errors derive from :class:`ValueError` so that callers that already catch ``ValueError``
+keep working; the server maps :class:`InvalidRequestError` to HTTP 400 and
+:class:`ModelNotFoundError` to HTTP 404.
+"""
+from __future__ import annotations
+
+
+class NybbleError(Exception):
+    """Base class of every error nybble raises on purpose."""
+
+
+class InvalidRequestError(NybbleError, ValueError):
+    """A request parameter is outside its allowed range (HTTP 400).
+
+    Args:
+        message: what was wrong and what is allowed.
+        param: the offending parameter's name, echoed in the OpenAI error body.
+    """
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class ModelNotFoundError(NybbleError, ValueError):
+    """The request names a model this server does not serve (HTTP 404)."""
+
+
+class UnsupportedModelError(NybbleError, ValueError):
+    """The checkpoint's architecture, dtype or quantization format is not supported."""
+
+
+class KVCacheExhaustedError(InvalidRequestError):
+    """A single request needs more KV blocks than the whole pool holds."""

@@ -1,0 +1,50 @@
+"""``nybble generate "PROMPT"``: print a completion from the command line."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from nybble.engine_args import add_engine_args, engine_config_from_args
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``generate`` subcommand."""
+    p = subparsers.add_parser("generate", help="generate text for one or more prompts",
+                              description="Generate a completion for each PROMPT and print it.")
+    p.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompt text")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature (0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]")
+    p.add_argument("--top-k", type=int, default=-1, help="keep the k most likely tokens (-1: all)")
+    p.add_argument("--min-p", type=float, default=0.0, help="min-p filter in [0, 1]")
+    p.add_argument("--n", type=int, default=1, help="samples per prompt")
+    p.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at the EOS token")
+    add_engine_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Generate and print; returns the exit code (2 on invalid input)."""
+    from nybble.errors import NybbleError
+    from nybble.runtime.llm import LLM
+    from nybble.sampling_params import SamplingParams
+
+    try:
+        params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, min_p=args.min_p, seed=args.sample_seed,
+                                max_tokens=args.max_tokens, stop=args.stop,
+                                ignore_eos=args.ignore_eos)
+        llm = LLM.from_engine_config(engine_config_from_args(args))
+        outputs = llm.generate(args.prompts, params, use_tqdm=False)
+    except (NybbleError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for out in outputs:
+        for sample in out.outputs:
+            print((out.prompt or "") + sample.text)
+            if len(out.outputs) > 1 or len(outputs) > 1:
+                print("-" * 40)
+    return 0

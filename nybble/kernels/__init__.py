@@ -1,0 +1,38 @@
+"""Kernel dispatch: the only place that chooses between the torch and Triton backends."""
+from __future__ import annotations
+
+import torch
+
+from nybble.kernels.interface import AttentionBackend, AttentionMetadata
+from nybble.kernels.reference_attention import TorchAttentionBackend
+
+__all__ = ["AttentionBackend", "AttentionMetadata", "get_attention_backend"]
+
+
+def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    """Pick the attention backend.
+
+    Args:
+        name: ``auto`` (Triton on CUDA, torch elsewhere), ``torch`` or ``triton``.
+        device: where the KV cache lives.
+
+    Raises:
+        ValueError: unknown name, or ``triton`` requested where Triton cannot run (no CUDA
+            device and ``TRITON_INTERPRET`` unset, or triton not installed).
+    """
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        return TorchAttentionBackend()
+    if name == "triton":
+        import os
+
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("attention_backend 'triton' needs a CUDA device or "
+                             f"TRITON_INTERPRET=1, got device {device.type!r}")
+        try:
+            from nybble.kernels.triton_backend import TritonAttentionBackend
+        except ImportError as e:
+            raise ValueError(f"attention_backend 'triton' needs the triton package: {e}") from e
+        return TritonAttentionBackend()
+    raise ValueError(f"attention_backend must be one of auto, torch, triton, got {name!r}")

@@ -1,0 +1,71 @@
+"""Contracts shared by every kernel backend (torch reference and Triton).
+
+Shapes are documented once here. Notation: ``T`` new tokens in the step (all sequences
+concatenated), ``B`` sequences in the step, ``Hq`` query heads, ``Hkv`` KV heads
+(``Hq % Hkv == 0``, grouped-query attention), ``D`` head dim, ``NB`` KV blocks in the pool,
+``BS`` block size (tokens), ``MB`` max blocks per sequence (block-table width).
+
+KV cache layout (one tensor per layer), as in PagedAttention (Kwon et al., SOSP 2023):
+``kv_cache: [2, NB, BS, Hkv, D]``; ``kv_cache[0]`` holds keys, ``kv_cache[1]`` values.
+Token ``j`` of a sequence lives in slot ``block_table[j // BS] * BS + j % BS``; the flat
+slot index ``s`` addresses ``kv_cache[:, s // BS, s % BS]``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Per-step description of the varlen paged batch, built by the model runner.
+
+    Sequence ``i`` contributes new tokens ``query_start_loc[i] : query_start_loc[i+1]`` of the
+    flat batch; they sit at the last ``q_len_i`` positions of its ``seq_lens[i]`` tokens
+    (cached prefix + new tokens), so new token ``t`` of sequence ``i`` attends causally to keys
+    ``0 .. seq_lens[i] - q_len_i + t``. This covers prefill, chunked prefill and decode in one
+    batch.
+
+    Attributes:
+        slot_mapping: ``[T]`` int64, KV slot of each new token (``-1``: do not write).
+        query_start_loc: ``[B+1]`` int32, cumulative new-token offsets, starts at 0.
+        seq_lens: ``[B]`` int32, tokens of each sequence after this step (cached + new).
+        block_tables: ``[B, MB]`` int32, KV block ids; entries past a sequence's blocks are
+            padding (any value, never read).
+        max_query_len: ``max(q_len_i)`` (python int, tokens).
+        max_seq_len: ``max(seq_lens)`` (python int, tokens).
+        is_decode_only: every sequence has exactly one new token (lets a backend use its
+            decode kernel).
+    """
+
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+    is_decode_only: bool
+
+
+class AttentionBackend(Protocol):
+    """A paged-attention implementation.
+
+    Pre-conditions: ``query [T, Hq, D]``, ``key``/``value [T, Hkv, D]`` share the cache's dtype
+    and device; ``Hq % Hkv == 0``. Post-condition of ``reshape_and_cache``: for every ``t`` with
+    ``slot_mapping[t] >= 0``, ``kv_cache[0, slot // BS, slot % BS] == key[t]`` (values alike).
+    ``forward`` returns ``[T, Hq, D]`` in the query's dtype, computed with fp32 accumulation.
+    """
+
+    name: str
+
+    def reshape_and_cache(self, key: torch.Tensor, value: torch.Tensor,
+                          kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Write the new tokens' keys and values into their slots of ``kv_cache``."""
+        ...
+
+    def forward(self, query: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Causal attention of each sequence's new tokens over its cached keys/values."""
+        ...

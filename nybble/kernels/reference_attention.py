@@ -1,0 +1,111 @@
+"""Pure-torch paged attention: the CPU path of the engine and, in float64, the test oracle.
+
+Algorithm: PagedAttention (Kwon et al., SOSP 2023), KV read through block tables; masking as
+in FlashAttention-2's varlen causal mode (each sequence's new tokens are the last ``q_len`` of
+its ``seq_len`` tokens). Shapes follow :mod:`nybble.kernels.interface`.
+"""
+from __future__ import annotations
+
+import torch
+
+from nybble.kernels.interface import AttentionMetadata
+
+
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> None:
+    """Scatter new keys/values into the paged cache.
+
+    Args:
+        key, value: ``[T, Hkv, D]``, same dtype as ``kv_cache``.
+        kv_cache: ``[2, NB, BS, Hkv, D]``, written in place.
+        slot_mapping: ``[T]`` int64 flat slot per token; ``-1`` entries are skipped.
+    """
+    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
+    valid = slot_mapping >= 0
+    if bool(valid.all()):
+        flat[0].index_copy_(0, slot_mapping, key)
+        flat[1].index_copy_(0, slot_mapping, value)
+    else:
+        slots = slot_mapping[valid]
+        flat[0].index_copy_(0, slots, key[valid])
+        flat[1].index_copy_(0, slots, value[valid])
+
+
+def gather_kv(kv_cache: torch.Tensor, block_tables: torch.Tensor,
+              max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Read each sequence's first ``max_seq_len`` key/value slots through its block table.
+
+    Returns:
+        ``(keys, values)``, each ``[B, max_seq_len, Hkv, D]``; positions past a sequence's
+        length hold whatever the padded block ids point at and must be masked by the caller.
+    """
+    block_size = kv_cache.shape[2]
+    num_blocks_needed = (max_seq_len + block_size - 1) // block_size
+    tables = block_tables[:, :num_blocks_needed].long().clamp(min=0)  # [B, nb]
+    # kv_cache[:, tables]: [2, B, nb, BS, Hkv, D]
+    kv = kv_cache[:, tables].flatten(2, 3)[:, :, :max_seq_len]
+    return kv[0], kv[1]
+
+
+def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float) -> torch.Tensor:
+    """Varlen causal attention of new tokens over their cached prefixes (GQA aware).
+
+    Args:
+        query: ``[T, Hq, D]``.
+        kv_cache: ``[2, NB, BS, Hkv, D]`` already holding this step's keys/values.
+        meta: batch layout (see :class:`AttentionMetadata`).
+        scale: softmax scale, usually ``D ** -0.5``.
+
+    Returns:
+        ``[T, Hq, D]`` in ``query.dtype``; computed in float32, or float64 for float64 inputs.
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = kv_cache.shape[3]
+    group = num_heads // num_kv_heads
+    acc_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+    qsl = meta.query_start_loc.long()
+    q_lens = qsl[1:] - qsl[:-1]  # [B]
+    seq_lens = meta.seq_lens.long()  # [B]
+    batch = q_lens.shape[0]
+    max_q, max_s = meta.max_query_len, meta.max_seq_len
+
+    keys, values = gather_kv(kv_cache, meta.block_tables, max_s)  # [B, S, Hkv, D]
+    # Scatter the flat queries into a padded [B, max_q, Hq, D] tensor.
+    seq_of_token = torch.repeat_interleave(torch.arange(batch, device=query.device), q_lens)
+    row_in_seq = torch.arange(num_tokens, device=query.device) - qsl[seq_of_token]
+    q_pad = query.new_zeros(batch, max_q, num_heads, head_dim, dtype=acc_dtype)
+    q_pad[seq_of_token, row_in_seq] = query.to(acc_dtype)
+
+    # (B, Hkv, group, max_q, D) x (B, Hkv, D, S) -> scores (B, Hkv, group, max_q, S)
+    q5 = q_pad.view(batch, max_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+    k4 = keys.to(acc_dtype).permute(0, 2, 3, 1)  # (B, Hkv, D, S)
+    v4 = values.to(acc_dtype).permute(0, 2, 1, 3)  # (B, Hkv, S, D)
+    scores = torch.matmul(q5, k4.unsqueeze(2)) * scale
+    # Query row r of sequence b sits at absolute position seq_len - q_len + r.
+    q_pos = (seq_lens - q_lens)[:, None] + torch.arange(max_q, device=query.device)[None, :]
+    k_pos = torch.arange(max_s, device=query.device)
+    allowed = (k_pos[None, None, :] <= q_pos[:, :, None]) & \
+        (k_pos[None, None, :] < seq_lens[:, None, None])  # (B, max_q, S)
+    scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # padded rows are all -inf
+    out = torch.matmul(probs, v4.unsqueeze(2))  # (B, Hkv, group, max_q, D)
+    out = out.permute(0, 3, 1, 2, 4).reshape(batch, max_q, num_heads, head_dim)
+    return out[seq_of_token, row_in_seq].to(query.dtype)
+
+
+class TorchAttentionBackend:
+    """The CPU attention backend: :func:`reshape_and_cache` + :func:`paged_attention`."""
+
+    name = "torch"
+
+    def reshape_and_cache(self, key: torch.Tensor, value: torch.Tensor,
+                          kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """See :func:`reshape_and_cache`."""
+        reshape_and_cache(key, value, kv_cache, slot_mapping)
+
+    def forward(self, query: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """See :func:`paged_attention`."""
+        return paged_attention(query, kv_cache, meta, scale)

@@ -1,0 +1,139 @@
+"""Pure-torch dequantization references (the CPU path and, in float64, the test oracle).
+
+Numerics follow docs/quant-formats.md §3.5/§4.3: form ``q - z`` as an integer, multiply by
+the scale in float32, round once to the scale dtype. This reproduces the tools' fp16
+dequantized weights bit for bit. All returned weights are in ``nn.Linear`` layout ``[N, K]``.
+"""
+from __future__ import annotations
+
+import torch
+
+from nybble.quant.packing import AWQ_ORDER, unpack_cols, unpack_rows
+
+
+def _scale_mul(qz: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``qz`` int ``[...]`` times same-shaped scales: fp32 product rounded to ``scales.dtype``
+    (float64 scales stay float64)."""
+    acc = torch.float64 if scales.dtype == torch.float64 else torch.float32
+    return (qz.to(acc) * scales.to(acc)).to(scales.dtype)
+
+
+def default_g_idx(k: int, group_size: int, device: torch.device | None = None) -> torch.Tensor:
+    """``g_idx[k] = k // group_size`` (``group_size == -1``: all zeros), int64 ``[K]``."""
+    gs = k if group_size == -1 else group_size
+    return torch.arange(k, device=device) // gs
+
+
+def dequantize_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                    g_idx: torch.Tensor | None, bits: int, group_size: int,
+                    zero_offset: int, sym: bool) -> torch.Tensor:
+    """GPTQ dequantization (§3.5).
+
+    Args:
+        qweight: int32 ``[K*bits/32, N]``, packed along K.
+        qzeros: int32 ``[G, N*bits/32]``, packed along N (sequential fields).
+        scales: ``[G, N]`` (fp16 in published checkpoints).
+        g_idx: int ``[K]`` group of every input row; ``None`` -> ``k // group_size``.
+        bits: 2, 4 or 8. group_size: -1 (one group) or a positive width.
+        zero_offset: 1 for v1 ``"gptq"`` (field stores ``z - 1``), 0 for ``"gptq_v2"``.
+        sym: True -> ``z = 2^(bits-1)`` for every group, ``qzeros`` ignored (§3.3).
+
+    Returns:
+        ``W [N, K]`` in ``scales.dtype``: ``W[n, k] = scales[g, n] * (q[k, n] - z[g, n])``.
+    """
+    q = unpack_rows(qweight, bits).to(torch.int64)  # [K, N]
+    k, n = q.shape
+    g = (default_g_idx(k, group_size, q.device) if g_idx is None
+         else g_idx.to(torch.int64))
+    if sym:
+        qz = q - (1 << (bits - 1))
+    else:
+        z = (unpack_cols(qzeros, bits).to(torch.int64)[:, :n] + zero_offset) & ((1 << bits) - 1)
+        qz = q - z[g]
+    return _scale_mul(qz, scales[g]).t().contiguous()
+
+
+def dequantize_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                   group_size: int) -> torch.Tensor:
+    """AWQ GEMM dequantization (§4.2-4.3), 4-bit only.
+
+    Args:
+        qweight: int32 ``[K, N/8]`` (interleaved order 0,2,4,6,1,3,5,7).
+        qzeros: int32 ``[G, N/8]``, same interleave. scales: ``[G, N]``.
+        group_size: -1 (= K) or a divisor of K.
+
+    Returns:
+        ``W [N, K]`` in ``scales.dtype``.
+    """
+    q = unpack_cols(qweight, 4, AWQ_ORDER).to(torch.int64)  # [K, N]
+    z = unpack_cols(qzeros, 4, AWQ_ORDER).to(torch.int64)  # [G, N]
+    g = default_g_idx(q.shape[0], group_size, q.device)
+    return _scale_mul(q - z[g], scales[g]).t().contiguous()
+
+
+def dequantize_compressed_tensors(weight_packed: torch.Tensor, weight_scale: torch.Tensor,
+                                  weight_zero_point: torch.Tensor | None,
+                                  weight_g_idx: torch.Tensor | None, bits: int,
+                                  group_size: int) -> torch.Tensor:
+    """compressed-tensors ``pack-quantized`` dequantization (§6.2).
+
+    Args:
+        weight_packed: int32 ``[N, K*bits/32]`` packed along K, sequential fields; values
+            are signed ints stored with offset ``2^(bits-1)``.
+        weight_scale: ``[N, G]``.
+        weight_zero_point: int32 ``[N*bits/32, G]`` packed along N (asymmetric) or None.
+        weight_g_idx: int ``[K]`` (``actorder: group``) or None (``k // group_size``).
+        bits: 4 or 8. group_size: -1 or the group width.
+
+    Returns:
+        ``W [N, K]`` in ``weight_scale.dtype``: ``(u - uz) * scale``.
+    """
+    u = unpack_cols(weight_packed, bits).to(torch.int64)  # [N, K]
+    n, k = u.shape
+    g = (default_g_idx(k, group_size, u.device) if weight_g_idx is None
+         else weight_g_idx.to(torch.int64))
+    if weight_zero_point is None:
+        uz = torch.full((1, 1), 1 << (bits - 1), dtype=torch.int64, device=u.device)
+    else:  # unpack along N: rows of the packed tensor hold pf output channels each
+        uz = unpack_rows(weight_zero_point, bits).to(torch.int64)[:n][:, g]
+    return _scale_mul(u - uz, weight_scale[:, g])
+
+
+def dequantize_int8_channel(weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    """compressed-tensors ``int-quantized`` weight: int8 ``[N, K]`` x scale ``[N, 1]`` -> ``[N, K]``
+    in ``weight_scale.dtype`` (§6.2)."""
+    return _scale_mul(weight.to(torch.int64), weight_scale.expand(weight.shape))
+
+
+def quantize_per_token_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic symmetric per-token int8 activation quantization (§6.2).
+
+    Uses compressed-tensors' grid ``scale = amax(|x_row|) / 127.5`` (what the fixture's tool
+    ran), ``q = clamp(round(x / scale), -128, 127)``.
+
+    Args:
+        x: ``[M, K]`` float.
+
+    Returns:
+        ``(q int8 [M, K], scale float32 [M, 1])``; an all-zero row gets scale 1.
+    """
+    xf = x.float()
+    scale = xf.abs().amax(dim=1, keepdim=True) / 127.5
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.clamp(torch.round(xf / scale), -128, 127).to(torch.int8)
+    return q, scale
+
+
+def int8_w8a8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                     bias: torch.Tensor | None) -> torch.Tensor:
+    """W8A8 reference: per-token int8 ``x`` times int8 ``weight [N, K]``, int32-exact
+    accumulation (float64 GEMM of integers), rescaled by ``x_scale[m] * w_scale[n]``.
+
+    Returns ``[M, N]`` in ``x.dtype``.
+    """
+    qx, sx = quantize_per_token_int8(x)
+    acc = qx.to(torch.float64) @ weight.to(torch.float64).t()  # exact integer sums
+    y = acc * sx.to(torch.float64) * weight_scale.to(torch.float64).view(1, -1)
+    if bias is not None:
+        y = y + bias.to(torch.float64)
+    return y.to(x.dtype)

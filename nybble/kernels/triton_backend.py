@@ -1,0 +1,32 @@
+"""The Triton attention backend (CUDA, or CPU under ``TRITON_INTERPRET=1``)."""
+from __future__ import annotations
+
+import torch
+
+from nybble.kernels.interface import AttentionMetadata
+from nybble.kernels.triton_cache import reshape_and_cache
+from nybble.kernels.triton_paged_decode import paged_decode_attention
+from nybble.kernels.triton_paged_prefill import paged_prefill_attention
+
+
+class TritonAttentionBackend:
+    """:class:`~nybble.kernels.interface.AttentionBackend` built from the Triton kernels.
+
+    ``forward`` uses the split-KV flash-decoding kernel when every sequence has exactly one new
+    token (``meta.is_decode_only``) and the varlen FlashAttention-2 kernel otherwise (prefill,
+    chunked prefill, mixed batches).
+    """
+
+    name = "triton"
+
+    def reshape_and_cache(self, key: torch.Tensor, value: torch.Tensor,
+                          kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """See :func:`nybble.kernels.triton_cache.reshape_and_cache`."""
+        reshape_and_cache(key, value, kv_cache, slot_mapping)
+
+    def forward(self, query: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Causal paged attention, ``[T, Hq, D] -> [T, Hq, D]`` (see the protocol)."""
+        if meta.is_decode_only:
+            return paged_decode_attention(query, kv_cache, meta, scale)
+        return paged_prefill_attention(query, kv_cache, meta, scale)

@@ -1,0 +1,145 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2) over a paged KV cache.
+
+The model takes the flat batch of a step: ``input_ids [T]``, ``positions [T]``, one KV cache
+tensor per layer (``[2, NB, BS, Hkv, D]``) and :class:`AttentionMetadata`, and returns hidden
+states ``[T, hidden]``. q/k/v and gate/up are fused projections (one GEMM each); their
+checkpoint shards are concatenated along the output dimension at load time.
+Architecture: Touvron et al. 2023 (Llama 2); GQA (Ainslie et al. 2023); Qwen2 adds q/k/v bias.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from nybble.kernels.interface import AttentionBackend, AttentionMetadata
+from nybble.models.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from nybble.models.linear import LinearFactory, build_linear
+
+
+class LlamaAttention(nn.Module):
+    """Self-attention: fused qkv -> RoPE -> write KV cache -> paged attention -> o_proj."""
+
+    def __init__(self, config: PretrainedConfig, prefix: str, linear: LinearFactory,
+                 rope: RotaryEmbedding, backend: AttentionBackend, bias: tuple[bool, bool],
+                 dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        qkv_bias, o_bias = bias
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or hidden // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim ** -0.5
+        qkv_names = [f"{prefix}.{p}_proj" for p in ("q", "k", "v")]
+        self.qkv_proj = build_linear(linear, qkv_names, hidden,
+                                     [self.q_size, self.kv_size, self.kv_size], qkv_bias,
+                                     dtype, device)
+        self.o_proj = build_linear(linear, [f"{prefix}.o_proj"], self.q_size, [hidden], o_bias,
+                                   dtype, device)
+        self.rope = rope
+        self.backend = backend
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """``x: [T, hidden]`` -> ``[T, hidden]``; writes this step's K/V into ``kv_cache``."""
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.rope(positions, q.reshape(num_tokens, self.num_heads, self.head_dim))
+        k = self.rope(positions, k.reshape(num_tokens, self.num_kv_heads, self.head_dim))
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        self.backend.reshape_and_cache(k, v, kv_cache, meta.slot_mapping)
+        out = self.backend.forward(q, kv_cache, meta, self.scale)  # (T, Hq, D)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU feed-forward with a fused gate/up projection."""
+
+    def __init__(self, config: PretrainedConfig, prefix: str, linear: LinearFactory,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        hidden, inter = config.hidden_size, config.intermediate_size
+        bias = bool(getattr(config, "mlp_bias", False))
+        act = getattr(config, "hidden_act", "silu")
+        if act != "silu":
+            from nybble.errors import UnsupportedModelError
+
+            raise UnsupportedModelError(f"hidden_act must be 'silu', got {act!r}")
+        self.gate_up_proj = build_linear(linear, [f"{prefix}.gate_proj", f"{prefix}.up_proj"],
+                                         hidden, [inter, inter], bias, dtype, device)
+        self.down_proj = build_linear(linear, [f"{prefix}.down_proj"], inter, [hidden], bias,
+                                      dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x: [T, hidden]`` -> ``[T, hidden]``."""
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm decoder block: ``h += attn(norm(h)); h += mlp(norm(h))``."""
+
+    def __init__(self, config: PretrainedConfig, index: int, linear: LinearFactory,
+                 rope: RotaryEmbedding, backend: AttentionBackend, bias: tuple[bool, bool],
+                 dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        prefix = f"model.layers.{index}"
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
+        self.self_attn = LlamaAttention(config, f"{prefix}.self_attn", linear, rope, backend,
+                                        bias, dtype, device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
+        self.mlp = LlamaMLP(config, f"{prefix}.mlp", linear, dtype, device)
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """``h: [T, hidden]`` -> ``[T, hidden]``."""
+        h = h + self.self_attn(positions, self.input_layernorm(h), kv_cache, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama / Mistral / Qwen2 causal LM over a paged KV cache.
+
+    Args:
+        config: the Hugging Face config.
+        linear: builds every projection (dense, or quantized by a quantization config).
+        backend: the attention backend (torch reference or Triton).
+        max_positions: rows of the RoPE table (the engine's ``max_model_len``).
+        bias: whether (q/k/v, o) projections carry a bias: Llama/Mistral follow
+            ``attention_bias``; Qwen2 has (True, False).
+    """
+
+    def __init__(self, config: PretrainedConfig, linear: LinearFactory,
+                 backend: AttentionBackend, max_positions: int, dtype: torch.dtype,
+                 device: torch.device, bias: tuple[bool, bool] = (False, False)) -> None:
+        super().__init__()
+        self.config = config
+        num_heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        rope = RotaryEmbedding(config, head_dim, max_positions, device)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype,
+                                         device=device)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, linear, rope, backend, bias, dtype, device)
+            for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = None if self.tie_word_embeddings else nn.Parameter(
+            torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device),
+            requires_grad=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        """``input_ids, positions: [T]`` (int64) -> final hidden states ``[T, hidden]``."""
+        h = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            h = layer(positions, h, kv_cache, meta)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden: [S, hidden]`` -> logits ``[S, vocab]`` (tied to the embeddings if so)."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head
+        return nn.functional.linear(hidden, weight)

@@ -1,0 +1,218 @@
+"""Load a Hugging Face model folder (safetensors only) into :class:`LlamaForCausalLM`.
+
+Weights stream tensor by tensor from ``model.safetensors``, sharded
+``model-xxxxx-of-yyyyy.safetensors`` + ``model.safetensors.index.json``, or any
+``*.safetensors`` in the folder (AutoGPTQ's ``gptq_model-4bit-128g.safetensors``). Pickle
+checkpoints (``*.bin``, ``*.pt``) are refused: they can run arbitrary code.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, PretrainedConfig
+
+from nybble.config import ModelConfig
+from nybble.errors import UnsupportedModelError
+from nybble.kernels.interface import AttentionBackend
+from nybble.models.linear import dense_linear_factory
+from nybble.models.llama import LlamaForCausalLM
+from nybble.models.registry import projection_bias
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A model ready to run, and the facts derived while loading it.
+
+    Attributes:
+        model: the module, in eval mode, on ``device``.
+        hf_config: the checkpoint's transformers config.
+        dtype: activation/weight dtype of non-quantized parts.
+        max_model_len: longest sequence the engine allows (tokens).
+        eos_token_ids: stop ids from generation_config.json and config.json.
+        quant_description: one line describing the quantization, or ``"none"``.
+        weight_bytes: bytes of all parameters and buffers (RoPE tables excluded).
+        linear_weight_bytes: bytes of the linear layers' weights alone.
+    """
+
+    model: LlamaForCausalLM
+    hf_config: PretrainedConfig
+    dtype: torch.dtype
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    quant_description: str
+    weight_bytes: int
+    linear_weight_bytes: int
+
+
+def _weight_files(model_dir: str) -> list[str]:
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(model_dir, s) for s in shards]
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        pickles = glob.glob(os.path.join(model_dir, "*.bin")) + \
+            glob.glob(os.path.join(model_dir, "*.pt"))
+        what = "only pickle checkpoints (refused: unsafe)" if pickles else "no weight files"
+        raise UnsupportedModelError(f"model folder must contain *.safetensors weights, "
+                                    f"found {what} in {model_dir}")
+    return files
+
+
+def resolve_dtype(name: str, hf_config: PretrainedConfig, device: torch.device) -> torch.dtype:
+    """``auto`` -> the checkpoint's dtype on GPU (float32 becomes float16), float32 on CPU."""
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32
+    ckpt = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    ckpt = _DTYPES.get(str(ckpt).replace("torch.", ""), torch.float16)
+    return torch.float16 if ckpt == torch.float32 else ckpt
+
+
+def eos_token_ids(model_dir: str, hf_config: PretrainedConfig) -> tuple[int, ...]:
+    """Stop ids as transformers and vLLM read them: generation_config.json, then config.json.
+
+    ``eos_token_id`` may be an int or a list in either file (stories260k's generation config
+    says ``[2, 1]``: the model ends a story with BOS).
+    """
+    ids: list[int] = []
+    gen_path = os.path.join(model_dir, "generation_config.json")
+    sources: list[Any] = []
+    if os.path.exists(gen_path):
+        with open(gen_path) as f:
+            sources.append(json.load(f).get("eos_token_id"))
+    sources.append(getattr(hf_config, "eos_token_id", None))
+    for value in sources:
+        for i in (value if isinstance(value, list) else [value]):
+            if isinstance(i, int) and i not in ids:
+                ids.append(i)
+    return tuple(ids)
+
+
+def _module_bytes(module: torch.nn.Module) -> int:
+    tensors = list(module.parameters()) + [b for n, b in module.named_buffers()
+                                           if not n.endswith(("cos", "sin"))]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def load_model(cfg: ModelConfig, backend: AttentionBackend, device: torch.device) -> LoadedModel:
+    """Build the model for ``cfg.model`` and load its weights.
+
+    Raises:
+        UnsupportedModelError: unknown architecture, pickle-only weights, unsupported
+            quantization, or a checkpoint tensor whose shape does not fit.
+        ValueError: ``max_model_len`` larger than the model's position limit.
+    """
+    from nybble.quant.config import load_quant_config
+
+    hf_config = AutoConfig.from_pretrained(cfg.model)
+    with open(os.path.join(cfg.model, "config.json")) as f:
+        raw_config = json.load(f)
+    bias = projection_bias(hf_config)
+    quant = load_quant_config(cfg.model, raw_config, cfg.quantization)
+    dtype = resolve_dtype(cfg.dtype, hf_config, device)
+    limit = int(getattr(hf_config, "max_position_embeddings", 2048))
+    window = getattr(hf_config, "sliding_window", None)
+    if window and getattr(hf_config, "use_sliding_window", True):
+        limit = min(limit, int(window))  # NOTE: no sliding-window attention: cap the length
+    max_len = cfg.max_model_len or limit
+    if max_len > limit:
+        raise ValueError(f"max_model_len must be <= {limit} (the model's position limit), "
+                         f"got {max_len}")
+    factory = quant.linear_factory if quant is not None else dense_linear_factory
+    model = LlamaForCausalLM(hf_config, factory, backend, max_len, dtype, device, bias)
+    _load_weights(model, _weight_files(cfg.model), dtype)
+    model.eval()
+    linear_bytes = sum(_module_bytes(m) for n, m in model.named_modules()
+                       if n.endswith(("_proj",)))
+    return LoadedModel(model=model, hf_config=hf_config, dtype=dtype, max_model_len=max_len,
+                       eos_token_ids=eos_token_ids(cfg.model, hf_config),
+                       quant_description=quant.describe() if quant is not None else "none",
+                       weight_bytes=_module_bytes(model), linear_weight_bytes=linear_bytes)
+
+
+def _fused_targets(model: LlamaForCausalLM) -> dict[str, tuple[str, int]]:
+    """Checkpoint module prefix -> (model module name, shard index)."""
+    targets: dict[str, tuple[str, int]] = {}
+    for name, module in model.named_modules():
+        prefixes = getattr(module, "shard_prefixes", None)
+        if prefixes:
+            for i, p in enumerate(prefixes):
+                targets[p] = (name, i)
+    return targets
+
+
+def _load_weights(model: LlamaForCausalLM, files: list[str], dtype: torch.dtype) -> None:
+    """Stream every checkpoint tensor into ``model`` (fused shards concatenated)."""
+    shards: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    targets = _fused_targets(model)
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            for key in f.keys():
+                if "rotary_emb" in key:
+                    continue
+                module_prefix, _, suffix = key.rpartition(".")
+                if module_prefix in targets:
+                    name, idx = targets[module_prefix]
+                    shards.setdefault(name, {}).setdefault(idx, {})[suffix] = f.get_tensor(key)
+                    continue
+                target = key.removeprefix("model.") if key != "lm_head.weight" else "lm_head"
+                if target not in params:
+                    logger.warning("ignoring checkpoint tensor %s (no such parameter)", key)
+                    continue
+                tensor = f.get_tensor(key)
+                if tensor.shape != params[target].shape:
+                    raise UnsupportedModelError(
+                        f"{key} must have shape {tuple(params[target].shape)}, got "
+                        f"{tuple(tensor.shape)}")
+                params[target].data.copy_(tensor.to(dtype))
+                loaded.add(target)
+    modules = dict(model.named_modules())
+    for name, by_shard in shards.items():
+        module = modules[name]
+        if len(by_shard) != len(module.shard_prefixes):
+            raise UnsupportedModelError(f"checkpoint has {len(by_shard)} of the "
+                                        f"{len(module.shard_prefixes)} shards of {name}")
+        module.load_tensors(_concat_shards(module, [by_shard[i] for i in sorted(by_shard)]))
+    fused = [n for n, m in modules.items() if getattr(m, "shard_prefixes", None)]
+    missing = sorted(n for n in params if n not in loaded and
+                     not any(n.startswith(m + ".") for m in fused))
+    missing += sorted(n for n in fused if n not in shards)
+    if missing:
+        raise UnsupportedModelError(f"checkpoint lacks tensors for {missing[:5]}"
+                                    f"{' ...' if len(missing) > 5 else ''}")
+
+
+def _concat_shards(module: torch.nn.Module,
+                   shards: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Concatenate each tensor name along ``module.output_dims[name]`` (None: shared)."""
+    out: dict[str, torch.Tensor] = {}
+    for name in shards[0]:
+        parts = [s[name] for s in shards if name in s]
+        if len(parts) != len(shards):
+            raise UnsupportedModelError(f"tensor {name!r} is present in only some shards of "
+                                        f"{module.shard_prefixes}")
+        dim = module.output_dims.get(name, 0)
+        if dim is None or len(parts) == 1:
+            if any(not torch.equal(parts[0], p) for p in parts[1:]):
+                raise UnsupportedModelError(f"shared tensor {name!r} differs between the shards "
+                                            f"of {module.shard_prefixes}")
+            out[name] = parts[0]
+        else:
+            out[name] = torch.cat(parts, dim=dim)
+    return out

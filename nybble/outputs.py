@@ -1,0 +1,69 @@
+"""Outputs returned by :class:`nybble.LLM` and :class:`nybble.LLMEngine` (shaped like vLLM's)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    """One sample of a request.
+
+    Attributes:
+        index: sample index in ``[0, n)``.
+        text: detokenized text generated so far (stop strings removed).
+        token_ids: generated token ids (a stop token id is included).
+        finish_reason: ``"stop"`` (EOS, stop token or stop string), ``"length"``
+            (``max_tokens`` or ``max_model_len``), ``"abort"``, or ``None`` while running.
+        logprobs: per generated token, a dict ``{token_id: logprob}`` holding the sampled
+            token and the top-``logprobs`` tokens; ``None`` when not requested.
+        stop_reason: the stop string or stop token id that ended the sample, if any.
+    """
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    logprobs: list[dict[int, float]] | None = None
+    stop_reason: str | int | None = None
+
+    def finished(self) -> bool:
+        """Whether this sample has ended."""
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    """Timestamps of one request, in seconds (``time.monotonic()``).
+
+    ``first_token_time - arrival_time`` is TTFT; ``first_scheduled_time - arrival_time`` is
+    the queue time.
+    """
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    """The state of one request after an engine step (or at the end, from ``LLM.generate``).
+
+    Attributes:
+        request_id: the caller's id.
+        prompt: prompt text, or ``None`` when token ids were given.
+        prompt_token_ids: the prompt's token ids (BOS included when the tokenizer adds it).
+        outputs: one :class:`CompletionOutput` per sample.
+        finished: all samples have ended.
+        metrics: the request's timestamps.
+        num_new_tokens: tokens generated in the step that produced this output (all samples).
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics | None = None
+    num_new_tokens: int = 0

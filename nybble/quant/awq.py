@@ -1,0 +1,145 @@
+"""AWQ activation-aware scaling and clipping (Lin et al. 2024, arXiv 2306.00978;
+docs/quant-formats.md §7.4, AutoAWQ ``quantizer.py`` / ``scale.py``).
+
+All functions work on plain ``nn.Linear`` modules (``weight [N, K]``) and a norm with a
+``weight [K]``; inputs ``x [T, K]`` are all calibration tokens of that Linear.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from nybble.quant.qparams import fake_quantize, get_group_qparams
+
+N_GRID = 20
+
+
+def activation_stat(x: torch.Tensor) -> torch.Tensor:
+    """``s_x[k] = mean_t |x[t, k]|`` float32 ``[K]`` from ``x [..., K]``."""
+    return x.reshape(-1, x.shape[-1]).abs().float().mean(dim=0)
+
+
+def weight_stat(weights: list[torch.Tensor], group_size: int) -> torch.Tensor:
+    """``s_w[k]``: weights concatenated along outputs, each group row divided by its max |w|
+    (+1e-6), then mean |.| over output rows. float32 ``[K]``."""
+    w = torch.cat([t.float() for t in weights], dim=0)
+    n, k = w.shape
+    gs = k if group_size == -1 else group_size
+    g = w.abs().reshape(-1, gs)
+    g = g / (g.amax(dim=1, keepdim=True) + 1e-6)
+    return g.reshape(n, k).mean(dim=0)
+
+
+def _pseudo_quantize(w: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
+    return fake_quantize(w, bits, group_size, sym=False, kind="awq")
+
+
+@torch.no_grad()
+def search_best_scale(x: torch.Tensor, linears: list[nn.Linear],
+                      forward: Callable[[torch.Tensor], torch.Tensor], bits: int,
+                      group_size: int, duo_scaling: bool = True
+                      ) -> tuple[torch.Tensor, float, list[float]]:
+    """Grid search of the scaling exponent for one scaling group (§7.4 "Scale search").
+
+    Args:
+        x: ``[..., K]`` recorded input of the group's Linears.
+        linears: the Linears sharing that input (their weights are restored afterwards).
+        forward: the inspected module, ``x -> y`` (e.g. the whole attention or MLP block).
+
+    Returns:
+        ``(s [K] float32, best alpha, loss per alpha)`` with alphas ``i / 20``, i < 20.
+    """
+    s_x = activation_stat(x)
+    s_w = weight_stat([lin.weight for lin in linears], group_size)
+    y_ref = forward(x).float()
+    originals = [lin.weight.detach().clone() for lin in linears]
+    losses: list[float] = []
+    best = (float("inf"), torch.ones_like(s_x), 0.0)
+    for i in range(N_GRID):
+        alpha = i / N_GRID
+        s = (s_x.pow(alpha) / (s_w.pow(1 - alpha) + 1e-4)) if duo_scaling else s_x.pow(alpha)
+        s = torch.clamp(s, min=1e-4)
+        s = s / torch.sqrt(s.max() * s.min())
+        s = torch.where(torch.isfinite(s), s, torch.ones_like(s))
+        for lin, w0 in zip(linears, originals):
+            ws = w0.float() * s.view(1, -1)
+            lin.weight.data.copy_((_pseudo_quantize(ws, bits, group_size) / s.view(1, -1))
+                                  .to(w0.dtype))
+        loss = float((y_ref - forward(x).float()).pow(2).mean())
+        losses.append(loss)
+        if loss < best[0]:
+            best = (loss, s.clone(), alpha)
+        for lin, w0 in zip(linears, originals):
+            lin.weight.data.copy_(w0)
+    return best[1], best[2], losses
+
+
+@torch.no_grad()
+def apply_scale(prev: nn.Module, linears: list[nn.Linear], s: torch.Tensor) -> None:
+    """Fold ``s [K]`` into the previous op (function-preserving, §7.4 "Applying the scales").
+
+    ``prev`` is a norm (``weight [K] /= s``) or a Linear (its output rows ``/= s``); every Linear
+    in ``linears`` gets input columns ``*= s``.
+    """
+    s = s.to(torch.float32)
+    if isinstance(prev, nn.Linear):
+        prev.weight.data.copy_((prev.weight.float() / s.view(-1, 1)).to(prev.weight.dtype))
+        if prev.bias is not None:
+            prev.bias.data.copy_((prev.bias.float() / s).to(prev.bias.dtype))
+    else:
+        w = getattr(prev, "weight")
+        w.data.copy_((w.float() / s).to(w.dtype))
+        if getattr(prev, "bias", None) is not None:
+            prev.bias.data.copy_((prev.bias.float() / s).to(prev.bias.dtype))
+    for lin in linears:
+        lin.weight.data.copy_((lin.weight.float() * s.view(1, -1)).to(lin.weight.dtype))
+
+
+@torch.no_grad()
+def search_best_clip(w: torch.Tensor, x: torch.Tensor, bits: int, group_size: int,
+                     max_shrink: float = 0.5, n_grid: int = N_GRID,
+                     n_sample_token: int = 512) -> torch.Tensor:
+    """Per (row, group) clipping threshold minimising the group-partial output error (§7.4).
+
+    Args:
+        w: ``[N, K]`` weight (already scaled). x: ``[..., K]`` its (scaled) inputs.
+
+    Returns:
+        ``max_val [N, G]`` float32; apply with ``clamp(w, -max_val, max_val)`` per group.
+    """
+    n, k = w.shape
+    gs = k if group_size == -1 else group_size
+    xf = x.reshape(-1, k).float()
+    xf = xf[::max(1, xf.shape[0] // n_sample_token)]
+    xg = xf.reshape(xf.shape[0], k // gs, gs)  # [T, G, gs]
+    wg = w.float().reshape(n, k // gs, gs)  # [N, G, gs]
+    org_out = torch.einsum("tgj,ngj->ntg", xg, wg)
+    org_max = wg.abs().amax(dim=2, keepdim=True)  # [N, G, 1]
+    best_max = org_max.clone()
+    min_err = torch.full((n, k // gs), float("inf"))
+    for i in range(int(max_shrink * n_grid)):
+        max_val = org_max * (1 - i / n_grid)
+        cur = torch.clamp(wg, -max_val, max_val)
+        q = _pseudo_quantize(cur.reshape(n, k), bits, gs).reshape(n, k // gs, gs)
+        err = (torch.einsum("tgj,ngj->ntg", xg, q) - org_out).pow(2).mean(dim=1)  # [N, G]
+        better = err < min_err
+        min_err = torch.where(better, err, min_err)
+        best_max = torch.where(better.unsqueeze(2), max_val, best_max)
+    return best_max.squeeze(2)
+
+
+@torch.no_grad()
+def apply_clip(lin: nn.Linear, max_val: torch.Tensor, group_size: int) -> None:
+    """``W = clamp(W, -max_val, max_val)`` per (row, group); ``max_val [N, G]``."""
+    n, k = lin.weight.shape
+    gs = k if group_size == -1 else group_size
+    wg = lin.weight.float().reshape(n, k // gs, gs)
+    m = max_val.unsqueeze(2)
+    lin.weight.data.copy_(torch.clamp(wg, -m, m).reshape(n, k).to(lin.weight.dtype))
+
+
+def awq_qparams(w: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """AWQ quantizer parameters of ``w [N, K]``: ``scale, zero [N, G]`` (§7.1)."""
+    return get_group_qparams(w, bits, group_size, sym=False, kind="awq")

@@ -1,0 +1,121 @@
+"""Calibration data and layer-by-layer execution of a transformers Llama on CPU or GPU.
+
+The model is run up to its first decoder layer once; after that every decoder layer is
+processed on the recorded hidden states of all calibration sequences at once
+(docs/quant-formats.md §7.3 "Driver" steps 1 and 3).
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+BUILTIN_CALIB = os.path.join(os.path.dirname(__file__), "calib_text.txt")
+"""Short calibration text written for nybble (used when ``--calib`` is not given)."""
+
+
+def calibration_ids(tokenizer: Any, text: str, num_samples: int, seq_len: int,
+                    bos_id: int | None) -> torch.Tensor:
+    """Cut ``text`` into up to ``num_samples`` sequences of ``seq_len`` tokens.
+
+    Each sequence is ``[BOS] + seq_len - 1`` consecutive text tokens (no BOS when
+    ``bos_id`` is None). Text shorter than one sequence gives one shorter sequence.
+
+    Returns:
+        int64 ``[S, L]``.
+
+    Raises:
+        ValueError: ``num_samples < 1``, ``seq_len < 2`` or empty text.
+    """
+    if num_samples < 1 or seq_len < 2:
+        raise ValueError(f"num_samples must be >= 1 and seq_len >= 2, got {num_samples}, "
+                         f"{seq_len}")
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if not ids:
+        raise ValueError("calibration text must contain at least one token, got none")
+    body = seq_len - (bos_id is not None)
+    n = max(1, min(num_samples, len(ids) // body))
+    body = min(body, len(ids))
+    rows = [ids[i * body:(i + 1) * body] for i in range(n)]
+    if bos_id is not None:
+        rows = [[bos_id] + r for r in rows]
+    return torch.tensor(rows, dtype=torch.int64)
+
+
+class _Stop(Exception):
+    pass
+
+
+@torch.no_grad()
+def capture_first_layer_inputs(model: nn.Module, input_ids: torch.Tensor
+                               ) -> tuple[torch.Tensor, dict[str, Any]]:
+    """Hidden states ``[S, L, H]`` entering decoder layer 0 and its keyword arguments
+    (rotary ``position_embeddings``, ``attention_mask``, ``position_ids``)."""
+    layers = model.model.layers
+    captured: dict[str, Any] = {}
+
+    def hook(_mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        captured["hidden"] = args[0] if args else kwargs.pop("hidden_states")
+        captured["kwargs"] = {k: v for k, v in kwargs.items() if k != "hidden_states"}
+        raise _Stop
+
+    handle = layers[0].register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        model(input_ids=input_ids, use_cache=False)
+    except _Stop:
+        pass
+    finally:
+        handle.remove()
+    kwargs = dict(captured["kwargs"])
+    kwargs["use_cache"] = False
+    kwargs.pop("past_key_values", None)
+    kwargs.pop("cache", None)
+    return captured["hidden"], kwargs
+
+
+def run_layer(layer: nn.Module, hidden: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
+    """One decoder layer forward on all calibration sequences, ``[S, L, H] -> [S, L, H]``."""
+    out = layer(hidden, **kwargs)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def attention_forward(layer: nn.Module, kwargs: dict[str, Any]
+                      ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``x -> self_attn(x)`` of ``layer`` with the recorded rotary embeddings and mask."""
+    attn_kwargs = {k: kwargs[k] for k in ("position_embeddings", "attention_mask")
+                   if k in kwargs}
+
+    def fwd(x: torch.Tensor) -> torch.Tensor:
+        out = layer.self_attn(hidden_states=x, **attn_kwargs)
+        return out[0] if isinstance(out, tuple) else out
+    return fwd
+
+
+@torch.no_grad()
+def record_inputs(layer: nn.Module, names: list[str], hidden: torch.Tensor,
+                  kwargs: dict[str, Any],
+                  sink: Callable[[str, torch.Tensor], None] | None = None
+                  ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Run ``layer`` once with hooks on the Linears ``names`` (relative to the layer).
+
+    Returns:
+        ``({name: input [S, L, K]}, layer output)``; with ``sink`` the inputs are passed to
+        it instead of being kept (the dict is then empty).
+    """
+    feats: dict[str, torch.Tensor] = {}
+    handles = []
+    for name in names:
+        def hook(_m: nn.Module, args: tuple[Any, ...], _o: Any, name: str = name) -> None:
+            if sink is not None:
+                sink(name, args[0].detach())
+            else:
+                feats[name] = args[0].detach()
+        handles.append(layer.get_submodule(name).register_forward_hook(hook))
+    try:
+        out = run_layer(layer, hidden, kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    return feats, out

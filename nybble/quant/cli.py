@@ -1,0 +1,73 @@
+"""``nybble quantize`` and ``nybble eval-ppl`` subcommands (``register(subparsers)``)."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+
+logger = logging.getLogger(__name__)
+
+
+def _quantize(args: argparse.Namespace) -> int:
+    from nybble.quant.quantize import QuantizeOptions, quantize_model
+
+    text = None
+    if args.calib:
+        with open(args.calib, encoding="utf-8") as f:
+            text = f.read()
+    opts = QuantizeOptions(method=args.method, bits=args.bits, group_size=args.group_size,
+                           sym=args.sym, desc_act=args.desc_act,
+                           static_groups=args.static_groups, damp_percent=args.damp_percent,
+                           calib_text=text, num_samples=args.num_samples, seq_len=args.seq_len,
+                           clip=not args.no_clip)
+    summary = quantize_model(args.model, args.out, opts)
+    logger.info("quantized %d linears, left %d dense; wrote %s", len(summary["quantized"]),
+                len(summary["skipped"]), args.out)
+    print(json.dumps({"out": args.out, "quantized": len(summary["quantized"]),
+                      "skipped": summary["skipped"],
+                      "quantization_config": summary["config"]}, indent=2))
+    return 0
+
+
+def _eval_ppl(args: argparse.Namespace) -> int:
+    import torch
+    from transformers import AutoTokenizer
+
+    from nybble.quant.eval_ppl import perplexity
+    from nybble.quant.hf_model import load_model
+
+    model = load_model(args.model, torch.float32, args.quantization)
+    tok = AutoTokenizer.from_pretrained(args.model)
+    with open(args.text, encoding="utf-8") as f:
+        text = f.read()
+    res = perplexity(model, tok, text, args.window, args.stride, args.max_paragraphs)
+    print(json.dumps({"model": args.model, "text": args.text, **res}, indent=2))
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Add ``quantize`` and ``eval-ppl`` to the ``nybble`` command."""
+    q = subparsers.add_parser("quantize", help="quantize a model folder with RTN, GPTQ or AWQ")
+    q.add_argument("model", help="source model folder (Hugging Face Llama)")
+    q.add_argument("--method", choices=["rtn", "gptq", "awq"], required=True)
+    q.add_argument("--bits", type=int, choices=[4, 8], default=4)
+    q.add_argument("--group-size", type=int, default=128, help="-1 = per output channel")
+    q.add_argument("--sym", action="store_true", help="symmetric grid (RTN/GPTQ)")
+    q.add_argument("--desc-act", action="store_true", help="GPTQ act-order")
+    q.add_argument("--static-groups", action="store_true", help="GPTQ static groups")
+    q.add_argument("--damp-percent", type=float, default=0.01)
+    q.add_argument("--calib", help="calibration text file (default: built-in text)")
+    q.add_argument("--num-samples", type=int, default=64)
+    q.add_argument("--seq-len", type=int, default=256)
+    q.add_argument("--no-clip", action="store_true", help="AWQ: skip the clipping search")
+    q.add_argument("--out", required=True, help="output model folder")
+    q.set_defaults(func=_quantize)
+
+    e = subparsers.add_parser("eval-ppl", help="perplexity of a model on a text file")
+    e.add_argument("model", help="model folder (fp or quantized)")
+    e.add_argument("--text", required=True, help="UTF-8 text, blank-line separated paragraphs")
+    e.add_argument("--quantization", choices=["awq", "gptq", "compressed-tensors"])
+    e.add_argument("--window", type=int, default=512)
+    e.add_argument("--stride", type=int, default=256)
+    e.add_argument("--max-paragraphs", type=int, default=None)
+    e.set_defaults(func=_eval_ppl)

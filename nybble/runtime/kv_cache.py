@@ -1,0 +1,89 @@
+"""KV-cache sizing and allocation (PagedAttention pool; Kwon et al., SOSP 2023).
+
+One tensor per layer, ``[2, num_blocks, block_size, num_kv_heads, head_dim]``: index 0 keys,
+1 values. A block holds ``block_size`` tokens of every layer, so the bytes of one block are
+``2 * num_layers * block_size * num_kv_heads * head_dim * dtype_bytes``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nybble.config import CacheConfig
+
+DEFAULT_CPU_KV_BYTES = 256 << 20  # 256 MiB
+GPU_MEMORY_FRACTION = 0.9
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """The KV pool derived at start-up.
+
+    Attributes:
+        num_layers, num_kv_heads, head_dim: model geometry.
+        dtype: cache dtype (the model's activation dtype).
+        block_size: tokens per block.
+        num_blocks: blocks in the pool.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    block_size: int
+    num_blocks: int
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes one block takes across all layers (keys and values)."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of the whole pool."""
+        return self.bytes_per_block * self.num_blocks
+
+    @property
+    def num_tokens(self) -> int:
+        """Token slots in the pool."""
+        return self.num_blocks * self.block_size
+
+
+def plan_kv_cache(cache: CacheConfig, num_layers: int, num_kv_heads: int, head_dim: int,
+                  dtype: torch.dtype, device: torch.device) -> KVCacheSpec:
+    """Turn ``--num-gpu-blocks`` or a byte budget into a :class:`KVCacheSpec`.
+
+    Without either flag the budget is 256 MiB on CPU, or 90% of the free device memory
+    (after the weights are loaded) on CUDA.
+
+    Raises:
+        ValueError: the budget is smaller than one block.
+    """
+    spec = KVCacheSpec(num_layers, num_kv_heads, head_dim, dtype, cache.block_size, 1)
+    if cache.num_gpu_blocks is not None:
+        num_blocks = cache.num_gpu_blocks
+    else:
+        budget = cache.kv_cache_memory
+        if budget is None:
+            if device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(device)
+                budget = int(free * GPU_MEMORY_FRACTION)
+            else:
+                budget = DEFAULT_CPU_KV_BYTES
+        num_blocks = budget // spec.bytes_per_block
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory must hold at least one block "
+                             f"({spec.bytes_per_block} bytes), got {budget} bytes")
+    return KVCacheSpec(num_layers, num_kv_heads, head_dim, dtype, cache.block_size, num_blocks)
+
+
+def allocate_kv_cache(spec: KVCacheSpec, device: torch.device) -> list[torch.Tensor]:
+    """One zeroed ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` tensor per layer.
+
+    NOTE: zeroed, not empty: masked-out slots are multiplied by a zero probability, and
+    uninitialised memory may hold NaN (0 * NaN = NaN).
+    """
+    shape = (2, spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    return [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]

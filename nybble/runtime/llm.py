@@ -1,0 +1,100 @@
+"""``LLM``: offline batched generation on top of :class:`LLMEngine` (vLLM's class of the same
+name and signature)."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+from transformers import PreTrainedTokenizerBase
+
+from nybble.config import EngineConfig
+from nybble.outputs import RequestOutput
+from nybble.runtime.engine import LLMEngine
+from nybble.sampling_params import SamplingParams
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+def _normalise(prompts: PromptType | Sequence[PromptType]) -> list[str | list[int]]:
+    """Accept a string, a token-id list, a list of either, or ``{"prompt_token_ids": ...}``."""
+    if isinstance(prompts, (str, dict)):
+        prompts = [prompts]
+    elif prompts and all(isinstance(t, int) for t in prompts):
+        prompts = [list(prompts)]  # type: ignore[arg-type]
+    out: list[str | list[int]] = []
+    for p in prompts:  # type: ignore[union-attr]
+        if isinstance(p, dict):
+            p = p.get("prompt_token_ids", p.get("prompt"))
+        if not isinstance(p, (str, list)):
+            raise TypeError(f"prompt must be a string, a list of token ids or a dict, got "
+                            f"{type(p).__name__}")
+        out.append(p)
+    return out
+
+
+class LLM:
+    """Offline inference: ``LLM(model, **engine_args).generate(prompts, sampling_params)``.
+
+    Args:
+        model: Hugging Face model folder; ``None`` for the bundled stories260k model.
+        **engine_args: any :class:`nybble.config.EngineConfig` field by its flat name
+            (``max_num_seqs``, ``num_gpu_blocks``, ``dtype``, ``block_size``...).
+    """
+
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        self.llm_engine = LLMEngine.from_engine_args(model, **engine_args)
+        self._counter = 0
+
+    @classmethod
+    def from_engine_config(cls, config: EngineConfig) -> LLM:
+        """Build from an already validated :class:`EngineConfig` (what the CLI does)."""
+        llm = cls.__new__(cls)
+        llm.llm_engine = LLMEngine(config)
+        llm._counter = 0
+        return llm
+
+    def get_tokenizer(self) -> PreTrainedTokenizerBase:
+        """The model's transformers tokenizer."""
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt with continuous batching; outputs keep the input order.
+
+        Args:
+            prompts: text, token ids, or a list of them.
+            sampling_params: one for all prompts or one per prompt (default:
+                ``SamplingParams()``).
+            use_tqdm: show a progress bar over finished requests.
+
+        Raises:
+            InvalidRequestError: a prompt or parameter is invalid (nothing is run then).
+        """
+        items = _normalise(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = ([sampling_params] * len(items) if isinstance(sampling_params, SamplingParams)
+                  else list(sampling_params))
+        if len(params) != len(items):
+            raise ValueError(f"sampling_params must be one or {len(items)} items, got "
+                             f"{len(params)}")
+        engine = self.llm_engine
+        ids = []
+        try:
+            for prompt, p in zip(items, params):
+                ids.append(str(self._counter))
+                self._counter += 1
+                engine.add_request(ids[-1], prompt, p)
+        except Exception:
+            engine.abort_request(ids)
+            raise
+        final: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        final[out.request_id] = out
+                        bar.update(1)
+        return [final[i] for i in ids]

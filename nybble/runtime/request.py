@@ -1,0 +1,104 @@
+"""The Python side of a request: text, parameters, per-sample output state, timestamps.
+
+Only integers cross into the Cython scheduler; everything here stays outside the step loop's
+hot path.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from nybble.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from nybble.runtime.detokenizer import IncrementalDetokenizer
+from nybble.sampling_params import SamplingParams
+
+
+class FinishReason(enum.IntEnum):
+    """Scheduler finish codes (``update()``/``finish()``), ordered; 0 means still running."""
+
+    NONE = 0
+    STOPPED = 1
+    LENGTH = 2
+    ABORTED = 3
+
+    @property
+    def openai(self) -> str | None:
+        """The OpenAI ``finish_reason`` string."""
+        return _OPENAI_REASON[self]
+
+
+_OPENAI_REASON = {FinishReason.NONE: None, FinishReason.STOPPED: "stop",
+                  FinishReason.LENGTH: "length", FinishReason.ABORTED: "abort"}
+
+
+@dataclass
+class Sample:
+    """State of one of a request's ``n`` samples (one scheduler sequence)."""
+
+    output: CompletionOutput
+    detok: IncrementalDetokenizer
+    generator: torch.Generator | None
+
+
+@dataclass
+class Request:
+    """One request as the engine tracks it.
+
+    Attributes:
+        request_id: the caller's id.
+        prompt: text, or ``None`` when token ids were given.
+        prompt_token_ids: the prompt's ids.
+        params: sampling parameters.
+        first_seq_id: scheduler id of sample 0; sample ``i`` is ``first_seq_id + i``.
+        samples: per-sample state.
+        metrics: timestamps (seconds, ``time.monotonic()``).
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    first_seq_id: int
+    samples: list[Sample]
+    metrics: RequestMetrics
+    num_finished: int = 0
+    new_tokens: int = field(default=0)
+
+    @classmethod
+    def create(cls, request_id: str, prompt: str | None, prompt_ids: list[int],
+               params: SamplingParams, first_seq_id: int, arrival_time: float,
+               tokenizer: PreTrainedTokenizerBase, device: torch.device) -> Request:
+        """Build the request and its ``n`` samples (seeded generators when ``seed`` is set)."""
+        samples = []
+        for i in range(params.n):
+            gen = None
+            if params.seed is not None and not params.greedy:
+                # NOTE: sample i of a seeded request gets its own stream, so n samples differ.
+                gen = torch.Generator(device=device).manual_seed(params.seed + i * 1_000_003)
+            samples.append(Sample(
+                output=CompletionOutput(index=i, logprobs=[] if params.logprobs is not None
+                                        else None),
+                detok=IncrementalDetokenizer(tokenizer, prompt_ids, params.stop_list,
+                                             params.skip_special_tokens),
+                generator=gen))
+        return cls(request_id, prompt, prompt_ids, params, first_seq_id, samples,
+                   RequestMetrics(arrival_time=arrival_time))
+
+    @property
+    def finished(self) -> bool:
+        """Every sample has ended."""
+        return self.num_finished == len(self.samples)
+
+    def to_output(self) -> RequestOutput:
+        """A cumulative :class:`RequestOutput` snapshot (copies of the per-sample state)."""
+        outs = [CompletionOutput(index=s.output.index, text=s.output.text,
+                                 token_ids=list(s.output.token_ids),
+                                 finish_reason=s.output.finish_reason,
+                                 logprobs=None if s.output.logprobs is None
+                                 else list(s.output.logprobs),
+                                 stop_reason=s.output.stop_reason) for s in self.samples]
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs,
+                             self.finished, self.metrics, self.new_tokens)

@@ -1,0 +1,113 @@
+"""Batched token sampling: greedy, temperature, top-k, top-p (nucleus), min-p.
+
+Sampling uses the exponential-race trick (``argmax(p / E)`` with ``E ~ Exp(1)``), which draws
+exactly from ``p`` and lets each row use its own ``torch.Generator``: a request with a seed
+gets the same tokens whatever else is in the batch. Rows without a seed share the engine's
+generator. Top-p follows Holtzman et al. 2020; min-p keeps tokens with
+``p >= min_p * max(p)`` (Nguyen et al. 2024).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class SamplingBatch:
+    """Per-row sampling parameters for ``S`` rows of logits.
+
+    Attributes:
+        temperature, top_p, min_p: ``[S]`` float32; temperature 0 means greedy.
+        top_k: ``[S]`` int64; ``<= 0`` disables.
+        generators: ``S`` entries, a seeded generator or ``None`` (use the shared one).
+        max_logprobs: the largest top-``k`` of log-probabilities asked for in the batch
+            (``-1``: none asked).
+    """
+
+    temperature: torch.Tensor
+    top_p: torch.Tensor
+    top_k: torch.Tensor
+    min_p: torch.Tensor
+    generators: list[torch.Generator | None]
+    max_logprobs: int
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    """What the sampler returns.
+
+    Attributes:
+        token_ids: ``[S]`` int64 sampled ids.
+        logprobs: ``[S]`` float32 log-probability of each sampled id under the raw logits,
+            or ``None`` when no row asked for logprobs.
+        top_ids, top_logprobs: ``[S, k]`` top-``k`` ids and log-probabilities, or ``None``.
+    """
+
+    token_ids: torch.Tensor
+    logprobs: torch.Tensor | None
+    top_ids: torch.Tensor | None
+    top_logprobs: torch.Tensor | None
+
+
+def _filter(logits: torch.Tensor, params: SamplingBatch) -> torch.Tensor:
+    """Scale by temperature and mask out tokens removed by top-k, top-p and min-p."""
+    logits = logits / params.temperature.clamp(min=1e-6)[:, None]
+    vocab = logits.shape[-1]
+    top_k = torch.where(params.top_k > 0, params.top_k.clamp(max=vocab), vocab)
+    need_sort = bool((top_k < vocab).any()) or bool((params.top_p < 1).any())
+    if need_sort:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab, device=logits.device)[None, :]
+        drop = ranks >= top_k[:, None]
+        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+        # Drop a token when the mass before it already reaches top_p (the first always stays).
+        mass_before = probs.cumsum(dim=-1) - probs
+        drop |= mass_before >= params.top_p[:, None]
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+    if bool((params.min_p > 0).any()):
+        probs = logits.softmax(dim=-1)
+        threshold = params.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, params: SamplingBatch,
+           default_generator: torch.Generator | None) -> SamplerOutput:
+    """Sample one token per row.
+
+    Args:
+        logits: ``[S, vocab]`` raw model logits (any float dtype; computed in float32).
+        params: per-row parameters.
+        default_generator: generator for rows without their own seed.
+
+    Returns:
+        :class:`SamplerOutput`.
+    """
+    logits = logits.float()
+    token_ids = logits.argmax(dim=-1)
+    random_rows = (params.temperature > 0).nonzero().flatten()
+    if random_rows.numel():
+        rows = random_rows.tolist()
+        sub = SamplingBatch(params.temperature[random_rows], params.top_p[random_rows],
+                            params.top_k[random_rows], params.min_p[random_rows],
+                            [params.generators[r] for r in rows], -1)
+        probs = _filter(logits[random_rows], sub).softmax(dim=-1)
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, g in enumerate(sub.generators) if g is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device
+                                          ).exponential_(generator=default_generator)
+        for i, gen in enumerate(sub.generators):
+            if gen is not None:  # NOTE: one draw per row keeps seeded rows batch-independent
+                noise[i].exponential_(generator=gen)
+        token_ids[random_rows] = (probs / noise).argmax(dim=-1)
+    if params.max_logprobs < 0:
+        return SamplerOutput(token_ids, None, None, None)
+    logprobs = logits.log_softmax(dim=-1)
+    chosen = logprobs.gather(-1, token_ids[:, None])[:, 0]
+    top_ids = top_lp = None
+    if params.max_logprobs > 0:
+        top_lp, top_ids = logprobs.topk(params.max_logprobs, dim=-1)
+    return SamplerOutput(token_ids, chosen, top_ids, top_lp)

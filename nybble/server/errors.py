@@ -1,0 +1,92 @@
+"""Map exceptions to OpenAI-style error responses: ``{"error": {message, type, param, code}}``.
+
+===============================================  ======  ==========================
+exception                                        status  type / code
+===============================================  ======  ==========================
+InvalidRequestError (incl. KVCacheExhausted)     400     invalid_request_error
+RequestValidationError (bad JSON, bad types)     400     invalid_request_error
+ModelNotFoundError                               404     invalid_request_error / model_not_found
+AuthenticationError                              401     invalid_request_error / invalid_api_key
+HTTPException (404 route, 405 method, ...)       status  invalid_request_error
+anything else                                    500     internal_error
+===============================================  ======  ==========================
+"""
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from nybble.errors import InvalidRequestError, ModelNotFoundError, NybbleError
+from nybble.server.protocol import ErrorInfo, ErrorResponse
+
+logger = logging.getLogger(__name__)
+
+
+class AuthenticationError(NybbleError):
+    """The API key is missing or wrong (HTTP 401)."""
+
+
+def error_response(status: int, message: str, err_type: str = "invalid_request_error",
+                   param: str | None = None, code: str | int | None = None) -> JSONResponse:
+    """A JSONResponse carrying an OpenAI error body with HTTP ``status``."""
+    body = ErrorResponse(error=ErrorInfo(message=message, type=err_type, param=param,
+                                         code=code if code is not None else status))
+    return JSONResponse(status_code=status, content=body.body())
+
+
+def error_payload(exc: BaseException) -> tuple[int, dict[str, Any]]:
+    """``(status, body)`` for ``exc``, for errors raised inside a stream (sent as an SSE event)."""
+    resp = _response_for(exc)
+    return resp.status_code, json.loads(bytes(resp.body))
+
+
+def _response_for(exc: BaseException) -> JSONResponse:
+    if isinstance(exc, AuthenticationError):
+        return error_response(401, str(exc), code="invalid_api_key")
+    if isinstance(exc, ModelNotFoundError):
+        return error_response(404, str(exc), param="model", code="model_not_found")
+    if isinstance(exc, InvalidRequestError):
+        return error_response(400, str(exc), param=exc.param)
+    logger.exception("internal error", exc_info=exc)
+    return error_response(500, f"internal error: {type(exc).__name__}: {exc}",
+                          err_type="internal_error")
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """One readable line from pydantic's error list, and the first offending parameter."""
+    parts, param = [], None
+    for err in exc.errors():
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        if err.get("type") == "json_invalid":
+            return f"malformed JSON body: {err.get('msg', '')}", None
+        where = ".".join(loc) or "body"
+        param = param or (loc[0] if loc else None)
+        parts.append(f"{where}: {err.get('msg', 'invalid value')}")
+    return "invalid request: " + "; ".join(parts), param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Register the exception -> OpenAI error body handlers on ``app``."""
+
+    async def on_nybble(_: Request, exc: Exception) -> JSONResponse:
+        return _response_for(exc)
+
+    async def on_validation(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        message, param = _validation_message(exc)
+        return error_response(400, message, param=param)
+
+    async def on_http(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        return error_response(exc.status_code, str(exc.detail))
+
+    app.add_exception_handler(NybbleError, on_nybble)
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(StarletteHTTPException, on_http)
+    app.add_exception_handler(Exception, on_nybble)

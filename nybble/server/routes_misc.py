@@ -1,0 +1,95 @@
+"""Small routes: ``/v1/models``, ``/health``, ``/version``, ``/tokenize``, ``/detokenize``,
+``/metrics`` (Prometheus) and ``/internal/stats`` (the engine's counters, for tests and ops)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+import nybble
+from nybble.errors import InvalidRequestError
+from nybble.server.auth import require_api_key
+from nybble.server.chat import render_chat
+from nybble.server.protocol import DetokenizeRequest, ModelCard, ModelList, TokenizeRequest
+from nybble.server.serving import check_prompt_ids
+from nybble.server.state import get_state
+
+v1_router = APIRouter(dependencies=[Depends(require_api_key)])
+router = APIRouter()
+
+
+@v1_router.get("/v1/models")
+async def list_models(request: Request) -> ModelList:
+    """The one served model."""
+    state = get_state(request)
+    return ModelList(data=[ModelCard(id=state.model_name, root=state.model_path,
+                                     max_model_len=state.max_model_len)])
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    """200 while the engine thread runs, 503 otherwise."""
+    return Response(status_code=200 if get_state(request).engine.is_running else 503)
+
+
+@router.get("/version")
+async def version() -> dict[str, str]:
+    """The nybble version."""
+    return {"version": nybble.__version__}
+
+
+@router.post("/tokenize")
+async def tokenize(req: TokenizeRequest, request: Request) -> dict[str, Any]:
+    """Token ids of ``prompt`` (or of chat ``messages`` rendered with the chat template).
+
+    Raises:
+        InvalidRequestError: neither or both of ``prompt`` and ``messages`` (400).
+    """
+    state = get_state(request)
+    state.check_model(req.model)
+    if (req.prompt is None) == (req.messages is None):
+        raise InvalidRequestError("give exactly one of prompt and messages", param="prompt")
+    if req.messages is not None:
+        ids = render_chat(state, req.messages, req.add_generation_prompt)
+    else:
+        ids = list(state.tokenizer(req.prompt,
+                                   add_special_tokens=req.add_special_tokens)["input_ids"])
+    return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids,
+            "token_strs": None}
+
+
+@router.post("/detokenize")
+async def detokenize(req: DetokenizeRequest, request: Request) -> dict[str, str]:
+    """The text of token ids.
+
+    Raises:
+        InvalidRequestError: an id outside the vocabulary (400).
+    """
+    state = get_state(request)
+    state.check_model(req.model)
+    if req.tokens:
+        check_prompt_ids(req.tokens, state, param="tokens")
+    return {"prompt": state.tokenizer.decode(req.tokens)}
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    """Prometheus text exposition."""
+    return Response(get_state(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/internal/stats")
+async def internal_stats(request: Request) -> dict[str, Any]:
+    """``engine.get_stats()`` as JSON, read between steps on the engine thread."""
+    return stats_dict(await get_state(request).engine.get_stats())
+
+
+def stats_dict(stats: Any) -> dict[str, Any]:
+    """A stats object (dataclass, named tuple or plain object) as a dict."""
+    if dataclasses.is_dataclass(stats) and not isinstance(stats, type):
+        return dataclasses.asdict(stats)
+    if hasattr(stats, "_asdict"):
+        return dict(stats._asdict())
+    return {k: v for k, v in vars(stats).items() if not k.startswith("_")}

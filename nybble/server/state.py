@@ -1,0 +1,55 @@
+"""ServerState: what every route handler needs, stored once on ``app.state.nybble``."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request
+
+from nybble.errors import ModelNotFoundError
+
+if TYPE_CHECKING:
+    from nybble.runtime.async_engine import AsyncEngine
+    from nybble.server.config import ServerConfig
+    from nybble.server.metrics import ServerMetrics
+
+
+@dataclass(frozen=True)
+class ServerState:
+    """The server's shared objects.
+
+    Attributes:
+        engine: the async front of the engine (owns the engine thread).
+        config: the server settings.
+        model_name: the name the API reports and accepts.
+        model_path: the model folder (``/v1/models`` ``root``).
+        tokenizer: the engine's transformers tokenizer (used for prompts and logprob tokens).
+        max_model_len: longest sequence, prompt + output (tokens).
+        vocab_size: number of token ids the tokenizer knows (valid ids are ``[0, vocab_size)``).
+        metrics: the Prometheus metrics.
+    """
+
+    engine: AsyncEngine
+    config: ServerConfig
+    model_name: str
+    model_path: str
+    tokenizer: Any
+    max_model_len: int
+    vocab_size: int
+    metrics: ServerMetrics
+
+    def check_model(self, model: str | None) -> None:
+        """Accept ``model`` if it is ``None`` or the served name.
+
+        Raises:
+            ModelNotFoundError: another name (HTTP 404).
+        """
+        if model is not None and model != self.model_name:
+            raise ModelNotFoundError(
+                f"The model `{model}` does not exist; this server serves `{self.model_name}`")
+
+
+def get_state(request: Request) -> ServerState:
+    """The :class:`ServerState` of the app serving ``request``."""
+    state: ServerState = request.app.state.nybble
+    return state

@@ -1,0 +1,36 @@
+"""Build the Cython host runtime (block allocator and scheduler).
+
+Metadata lives in pyproject.toml; this file only declares the extension modules.
+Set ``NYBBLE_CYTHON_DEBUG=1`` to turn bounds checks back on and add line tracing.
+"""
+import os
+
+import numpy as np
+from Cython.Build import cythonize
+from setuptools import Extension, setup
+
+DEBUG = os.environ.get("NYBBLE_CYTHON_DEBUG", "0") == "1"
+directives = {
+    "language_level": 3,
+    "boundscheck": DEBUG,
+    "wraparound": DEBUG,
+    "cdivision": True,
+    "initializedcheck": DEBUG,
+}
+if DEBUG:
+    directives["linetrace"] = True
+macros = [("CYTHON_TRACE_NOGIL", "1")] if DEBUG else []
+macros.append(("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION"))
+
+extensions = [
+    Extension(
+        f"nybble.runtime.{name}",
+        [f"nybble/runtime/{name}.pyx"],
+        include_dirs=[np.get_include()],
+        define_macros=macros,
+        extra_compile_args=["-O3"],
+    )
+    for name in ("block_allocator", "scheduler")
+]
+
+setup(ext_modules=cythonize(extensions, compiler_directives=directives))

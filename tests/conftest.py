@@ -1,0 +1,20 @@
+"""Shared fixtures: the bundled model, tiny random HF models, offline mode."""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# NOTE: one intra-op thread. The models under test are tiny, and on a 2-core machine shared
+# with a server subprocess, OpenMP spin-waiting makes 2 threads ~50x slower than 1.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+
+from nybble.config import DEFAULT_MODEL  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def bundled_model() -> str:
+    """Path of the bundled stories260k model folder."""
+    return DEFAULT_MODEL

@@ -1,0 +1,58 @@
+"""Incremental detokenization: streamed pieces add up to the text transformers decodes."""
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+
+from nybble.config import DEFAULT_MODEL
+from nybble.runtime.detokenizer import IncrementalDetokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return AutoTokenizer.from_pretrained(DEFAULT_MODEL)
+
+
+def _stream(tok, prompt: str, text: str, stop: list[str] | None = None) -> tuple[list[str], str]:
+    prompt_ids = tok(prompt).input_ids
+    out_ids = tok(prompt + text).input_ids[len(prompt_ids):]
+    d = IncrementalDetokenizer(tok, prompt_ids, stop or [])
+    pieces = []
+    for t in out_ids:
+        d.add_token(t)
+        pieces.append(d.take_delta(finished=False))
+        if d.stop_reason:
+            break
+    pieces.append(d.take_delta(finished=True))
+    return pieces, d.output_text
+
+
+def test_concatenated_pieces_equal_decoded_text(tok) -> None:
+    pieces, text = _stream(tok, "Once upon a time", ", there was a little  girl.\nShe ran.")
+    assert "".join(pieces) == text == ", there was a little  girl.\nShe ran."
+
+
+def test_leading_space_kept(tok) -> None:
+    pieces, text = _stream(tok, "Once upon", " a time")
+    assert text == " a time"
+    assert pieces[0].startswith(" ")
+
+
+def test_multibyte_character_never_split(tok) -> None:
+    # The 512-piece vocabulary has no emoji: they become 4 byte-fallback tokens.
+    pieces, text = _stream(tok, "Hi", " 🙂 and é and 日本")
+    assert text == " 🙂 and é and 日本"
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == text
+
+
+def test_stop_string_spanning_tokens_is_cut_and_never_streamed(tok) -> None:
+    pieces, text = _stream(tok, "Once", " upon a time there was a dog", stop=["time there"])
+    assert text == " upon a "
+    assert "".join(pieces) == text
+    assert not any("tim" in p for p in pieces)
+
+
+def test_earliest_stop_string_wins(tok) -> None:
+    _, text = _stream(tok, "Once", " upon a time there was a dog", stop=["dog", "a t"])
+    assert text == " upon "

@@ -1,0 +1,97 @@
+"""Bad inputs get their status and an OpenAI error body; the server keeps serving."""
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any
+
+import openai
+import pytest
+
+if TYPE_CHECKING:
+    from tests.server.conftest import Server
+
+OK_BODY = {"model": "stories260k", "prompt": "Once upon a time", "max_tokens": 4}
+CHAT = {"model": "stories260k", "messages": [{"role": "user", "content": "Hi."}]}
+
+CASES: list[tuple[str, str, Any, int, str | None]] = [
+    # (id, path, body (dict, or raw str), status, param)
+    ("negative-temperature", "/v1/completions", {**OK_BODY, "temperature": -0.5}, 400,
+     "temperature"),
+    ("max-tokens-0", "/v1/completions", {**OK_BODY, "max_tokens": 0}, 400, "max_tokens"),
+    ("n-0", "/v1/completions", {**OK_BODY, "n": 0}, 400, "n"),
+    ("top-p-0", "/v1/completions", {**OK_BODY, "top_p": 0.0}, 400, "top_p"),
+    ("top-p-over-1", "/v1/completions", {**OK_BODY, "top_p": 1.5}, 400, "top_p"),
+    ("too-long", "/v1/completions", {**OK_BODY, "max_tokens": 600}, 400, "max_tokens"),
+    ("empty-prompt", "/v1/completions", {**OK_BODY, "prompt": ""}, 400, "prompt"),
+    ("empty-prompt-list", "/v1/completions", {**OK_BODY, "prompt": []}, 400, "prompt"),
+    ("token-out-of-vocab", "/v1/completions", {**OK_BODY, "prompt": [1, 99999]}, 400,
+     "prompt"),
+    ("wrong-type", "/v1/completions", {**OK_BODY, "temperature": "hot"}, 400, "temperature"),
+    ("missing-prompt", "/v1/completions", {"model": "stories260k"}, 400, "prompt"),
+    ("malformed-json", "/v1/completions", '{"prompt": "Hi", "max_tokens": ', 400, None),
+    ("unknown-model", "/v1/completions", {**OK_BODY, "model": "gpt-4"}, 404, "model"),
+    ("chat-empty-messages", "/v1/chat/completions", {**CHAT, "messages": []}, 400,
+     "messages"),
+    ("chat-too-long", "/v1/chat/completions", {**CHAT, "max_completion_tokens": 510}, 400,
+     "max_completion_tokens"),
+    ("chat-negative-temperature", "/v1/chat/completions", {**CHAT, "temperature": -1}, 400,
+     "temperature"),
+    ("chat-unknown-model", "/v1/chat/completions", {**CHAT, "model": "nope"}, 404, "model"),
+    ("stream-bad-param", "/v1/completions", {**OK_BODY, "stream": True, "n": -2}, 400, "n"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param", [c[1:] for c in CASES],
+                         ids=[c[0] for c in CASES])
+def test_bad_input_gets_error_body(server: Server, path: str, body: Any, status: int,
+                                   param: str | None) -> None:
+    with server.http() as c:
+        if isinstance(body, str):
+            r = c.post(path, content=body, headers={"Content-Type": "application/json"})
+        else:
+            r = c.post(path, json=body)
+        assert r.status_code == status, r.text
+        error = r.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert error["message"] and error["type"] == "invalid_request_error"
+        assert error["param"] == param
+        ok = c.post("/v1/completions", json=OK_BODY)
+        assert ok.status_code == 200
+        assert ok.json()["usage"]["completion_tokens"] > 0
+
+
+def test_too_long_message_names_both_numbers(server: Server) -> None:
+    with server.http() as c:
+        r = c.post("/v1/completions", json={**OK_BODY, "max_tokens": 600})
+    message = r.json()["error"]["message"]
+    assert "512" in message and "600" in message
+
+
+def test_openai_client_raises_bad_request(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="stories260k", prompt="Hi", temperature=-1)
+    assert info.value.status_code == 400
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="other", messages=[{"role": "user",
+                                                                  "content": "Hi"}])
+
+
+def test_bad_requests_do_not_disturb_a_running_stream(server: Server,
+                                                      client: openai.OpenAI) -> None:
+    body = {"model": "stories260k", "prompt": "The little fox", "max_tokens": 120,
+            "temperature": 0.0, "extra_body": {"ignore_eos": True}}
+    expected = client.completions.create(**body).choices[0].text
+    texts: list[str] = []
+
+    def stream() -> None:
+        chunks = client.completions.create(stream=True, **body)
+        texts.append("".join(c.choices[0].text for c in chunks if c.choices))
+
+    t = threading.Thread(target=stream)
+    t.start()
+    with server.http() as c:
+        for _, path, bad, status, _ in CASES:
+            if isinstance(bad, dict):
+                assert c.post(path, json=bad).status_code == status
+    t.join(timeout=120)
+    assert texts == [expected]
