@@ -30,7 +30,9 @@ extensions = [
         define_macros=macros,
         extra_compile_args=["-O3"],
     )
-    for name in ("block_allocator", "scheduler")
+    for name in ("block_allocator", "batch_builder", "seq_manager", "scheduler")
 ]
 
-setup(ext_modules=cythonize(extensions, compiler_directives=directives))
+# NOTE: a separate build dir per mode, so toggling NYBBLE_CYTHON_DEBUG never reuses stale C.
+setup(ext_modules=cythonize(extensions, compiler_directives=directives,
+                            build_dir="build/cython-debug" if DEBUG else None))

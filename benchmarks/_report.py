@@ -3,4 +3,4 @@ from __future__ import annotations
 
 from nybble.bench.report import machine_meta, print_table, summarize, write_json
 
-__all__ = ["print_table", "write_json", "machine_meta", "summarize"]
+__all__ = ["machine_meta", "print_table", "summarize", "write_json"]

@@ -6,8 +6,8 @@ stories-calib.txt, and measure: perplexity on stories-heldout.txt (first --max-s
 stories, each tokenized with BOS, every token after BOS scored, sliding window 512/256),
 greedy-token agreement with fp32 over 32 prompts (32 greedy fp32 tokens each, quantized model
 teacher-forced), and the bytes of the decoder-layer linear weights. All numbers come from
-transformers' LlamaForCausalLM with nybble's quantized modules (nybble.quant.hf_model), fp32
-activations, CPU. Prints a table and writes benchmarks/results/quant_quality.json.
+nybble's own model as the engine loads the written folder (fp32 activations, CPU, torch
+kernels). Prints a table and writes benchmarks/results/quant_quality.json.
 """
 from __future__ import annotations
 
@@ -21,14 +21,19 @@ import time
 import torch
 from transformers import AutoTokenizer
 
-from nybble.config import DEFAULT_MODEL
-from nybble.quant.eval_ppl import (greedy_agreement, greedy_continuations, perplexity,
-                                   split_paragraphs)
-from nybble.quant.hf_model import load_model
-from nybble.quant.linear import weight_bytes
-from nybble.quant.quantize import QuantizeOptions, quantize_model
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-SHARED = "/work/shared"
+from nybble.config import DEFAULT_MODEL, ModelConfig  # noqa: E402
+from nybble.kernels.reference_attention import TorchAttentionBackend  # noqa: E402
+from nybble.models.loader import LoadedModel, load_model  # noqa: E402
+from nybble.models.scoring import prefill_logits  # noqa: E402
+from nybble.quant.eval_ppl import (LogitsFn, greedy_agreement,  # noqa: E402
+                                   greedy_continuations, perplexity, split_paragraphs)
+from nybble.quant.linear import weight_bytes  # noqa: E402
+from nybble.quant.quantize import QuantizeOptions, quantize_model  # noqa: E402
+
+SHARED = os.environ.get("NYBBLE_SHARED", os.path.join(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))), "..", "shared"))
 
 
 def linear_bytes(model: torch.nn.Module) -> int:
@@ -40,23 +45,31 @@ def linear_bytes(model: torch.nn.Module) -> int:
     return total
 
 
+def load(path: str) -> tuple[LoadedModel, LogitsFn]:
+    """nybble's model for ``path`` and its whole-sequence logits function."""
+    cpu = torch.device("cpu")
+    loaded = load_model(ModelConfig(model=path, dtype="float32", device="cpu"),
+                        TorchAttentionBackend(), cpu)
+    return loaded, lambda ids: prefill_logits(loaded, [ids])[0]
+
+
 def run_model(path: str, heldout: str, calib: str, args: argparse.Namespace) -> list[dict]:
     tok = AutoTokenizer.from_pretrained(path)
-    fp = load_model(path)
-    hidden = fp.config.hidden_size
+    fp, fp_fn = load(path)
+    hidden = fp.hf_config.hidden_size
     stories = split_paragraphs(heldout)
     prompts = [tok(" ".join(s.split()[:6]))["input_ids"] for s in stories[-32:]]
-    seqs = greedy_continuations(fp, prompts, 32)
+    seqs = greedy_continuations(fp_fn, prompts, 32)
     lens = [len(p) for p in prompts]
-    fp_lin = linear_bytes(fp)
+    fp_lin = linear_bytes(fp.model)
     rows = []
 
     def evaluate(label: str, method: str, bits: int | None, gs: int | None,
-                 model: torch.nn.Module, extra: dict) -> None:
+                 model: tuple[LoadedModel, LogitsFn], extra: dict) -> None:
         t = time.time()
-        ppl = perplexity(model, tok, heldout, max_paragraphs=args.max_stories)
-        agree = greedy_agreement(model, seqs, lens)
-        lb = linear_bytes(model)
+        ppl = perplexity(model[1], tok, heldout, max_paragraphs=args.max_stories)
+        agree = greedy_agreement(model[1], seqs, lens)
+        lb = linear_bytes(model[0].model)
         row = {"model": os.path.basename(os.path.normpath(path)), "config": label,
                "method": method, "bits": bits, "group_size": gs,
                "perplexity": ppl["perplexity"], "eval_tokens": int(ppl["tokens"]),
@@ -68,7 +81,7 @@ def run_model(path: str, heldout: str, calib: str, args: argparse.Namespace) -> 
               f"[{time.time() - t:.0f}s]", flush=True)
 
     print(f"== {path}", flush=True)
-    evaluate("fp32", "fp32", None, None, fp, {"quantized_linears": 0, "skipped_linears": 0})
+    evaluate("fp32", "fp32", None, None, (fp, fp_fn), {"quantized_linears": 0, "skipped_linears": 0})
     configs = [(4, g) for g in (32, 64, 128) if hidden % g == 0] + [(8, 128 if hidden % 128 == 0
                                                                      else hidden)]
     for bits, gs in configs:
@@ -80,7 +93,7 @@ def run_model(path: str, heldout: str, calib: str, args: argparse.Namespace) -> 
                                        seq_len=args.seq_len)
                 s = quantize_model(path, out, opts, progress=False)
                 qt = time.time() - t
-                evaluate(f"{method} w{bits} g{gs}", method, bits, gs, load_model(out),
+                evaluate(f"{method} w{bits} g{gs}", method, bits, gs, load(out),
                          {"quantized_linears": len(s["quantized"]),
                           "skipped_linears": len(s["skipped"]), "quantize_seconds": qt})
     return rows

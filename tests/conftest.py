@@ -13,6 +13,10 @@ import pytest  # noqa: E402
 
 from nybble.config import DEFAULT_MODEL  # noqa: E402
 
+SHARED = os.environ.get("NYBBLE_SHARED") or os.path.normpath(
+    os.path.join(os.path.dirname(__file__), "..", "..", "shared"))
+"""The project's shared data folder (a sibling of the checkout, as CI lays it out)."""
+
 
 @pytest.fixture(scope="session")
 def bundled_model() -> str:

@@ -21,8 +21,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 def register(subparsers: Any) -> None:
     """Add ``bench`` with its ``throughput`` and ``serve`` subcommands to ``subparsers``."""
-    from nybble.bench.throughput import add_throughput_args, add_workload_args
     from nybble.bench.serve import add_serve_bench_args
+    from nybble.bench.throughput import add_throughput_args, add_workload_args
     from nybble.engine_args import add_engine_args
 
     bench = subparsers.add_parser("bench", help="benchmark throughput or serving latency")

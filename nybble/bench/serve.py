@@ -82,33 +82,37 @@ def launched_server(model: str, serve_args: tuple[str, ...],
     port = free_port()
     cmd = [sys.executable, "-m", "nybble", "serve", "--model", model, "--host", "127.0.0.1",
            "--port", str(port), *serve_args]
-    log = tempfile.NamedTemporaryFile("w+", prefix="nybble-bench-serve-", suffix=".log",
-                                      delete=False)
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"nybble serve exited with {proc.returncode}: "
-                                   f"{_tail(log.name)}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/v1/models", timeout=2.0).status_code < 500:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"nybble serve did not answer within {timeout_s:.0f}s: "
-                                   f"{_tail(log.name)}")
-            time.sleep(0.5)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
-        os.unlink(log.name)
+    with tempfile.TemporaryDirectory(prefix="nybble-bench-serve-") as tmp:
+        log_path = os.path.join(tmp, "server.log")
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+            try:
+                _wait_ready(proc, url, log_path, timeout_s)
+                yield url
+            finally:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+
+
+def _wait_ready(proc: subprocess.Popen[bytes], url: str, log_path: str,
+                timeout_s: float) -> None:
+    """Poll ``/v1/models`` until the server answers; raise with its log tail otherwise."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"nybble serve exited with {proc.returncode}: {_tail(log_path)}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url + "/v1/models", timeout=2.0).status_code < 500:
+                return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"nybble serve did not answer within {timeout_s:.0f}s: "
+                               f"{_tail(log_path)}")
+        time.sleep(0.5)
 
 
 def _tail(path: str, n: int = 2000) -> str:

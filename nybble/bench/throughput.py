@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import statistics
 from dataclasses import dataclass, field
 from typing import Any
 

@@ -30,17 +30,15 @@ def _quantize(args: argparse.Namespace) -> int:
 
 
 def _eval_ppl(args: argparse.Namespace) -> int:
-    import torch
     from transformers import AutoTokenizer
 
-    from nybble.quant.eval_ppl import perplexity
-    from nybble.quant.hf_model import load_model
+    from nybble.quant.eval_ppl import nybble_logits_fn, perplexity
 
-    model = load_model(args.model, torch.float32, args.quantization)
+    logits_fn = nybble_logits_fn(args.model, args.quantization)
     tok = AutoTokenizer.from_pretrained(args.model)
     with open(args.text, encoding="utf-8") as f:
         text = f.read()
-    res = perplexity(model, tok, text, args.window, args.stride, args.max_paragraphs)
+    res = perplexity(logits_fn, tok, text, args.window, args.stride, args.max_paragraphs)
     print(json.dumps({"model": args.model, "text": args.text, **res}, indent=2))
     return 0
 
@@ -49,16 +47,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     """Add ``quantize`` and ``eval-ppl`` to the ``nybble`` command."""
     q = subparsers.add_parser("quantize", help="quantize a model folder with RTN, GPTQ or AWQ")
     q.add_argument("model", help="source model folder (Hugging Face Llama)")
-    q.add_argument("--method", choices=["rtn", "gptq", "awq"], required=True)
-    q.add_argument("--bits", type=int, choices=[4, 8], default=4)
-    q.add_argument("--group-size", type=int, default=128, help="-1 = per output channel")
+    q.add_argument("--method", choices=["rtn", "gptq", "awq"], required=True,
+                   help="rtn: round to nearest; gptq: Frantar et al. 2023; awq: Lin et al. 2024")
+    q.add_argument("--bits", type=int, choices=[4, 8], default=4, help="weight bits")
+    q.add_argument("--group-size", type=int, default=128,
+                   help="input channels sharing one scale/zero point (-1: per output channel)")
     q.add_argument("--sym", action="store_true", help="symmetric grid (RTN/GPTQ)")
     q.add_argument("--desc-act", action="store_true", help="GPTQ act-order")
     q.add_argument("--static-groups", action="store_true", help="GPTQ static groups")
-    q.add_argument("--damp-percent", type=float, default=0.01)
+    q.add_argument("--damp-percent", type=float, default=0.01,
+                   help="GPTQ dampening, fraction of the mean Hessian diagonal")
     q.add_argument("--calib", help="calibration text file (default: built-in text)")
-    q.add_argument("--num-samples", type=int, default=64)
-    q.add_argument("--seq-len", type=int, default=256)
+    q.add_argument("--num-samples", type=int, default=64, help="calibration sequences")
+    q.add_argument("--seq-len", type=int, default=256, help="tokens per calibration sequence")
     q.add_argument("--no-clip", action="store_true", help="AWQ: skip the clipping search")
     q.add_argument("--out", required=True, help="output model folder")
     q.set_defaults(func=_quantize)
@@ -66,8 +67,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     e = subparsers.add_parser("eval-ppl", help="perplexity of a model on a text file")
     e.add_argument("model", help="model folder (fp or quantized)")
     e.add_argument("--text", required=True, help="UTF-8 text, blank-line separated paragraphs")
-    e.add_argument("--quantization", choices=["awq", "gptq", "compressed-tensors"])
-    e.add_argument("--window", type=int, default=512)
-    e.add_argument("--stride", type=int, default=256)
-    e.add_argument("--max-paragraphs", type=int, default=None)
+    e.add_argument("--quantization", choices=["awq", "gptq", "compressed-tensors"],
+                   help="force the quantization method (default: detected)")
+    e.add_argument("--window", type=int, default=512,
+                   help="tokens per scoring window (at most the model's max_model_len)")
+    e.add_argument("--stride", type=int, default=256,
+                   help="tokens a window advances; each window scores only new tokens")
+    e.add_argument("--max-paragraphs", type=int, default=None,
+                   help="score only the first N paragraphs")
     e.set_defaults(func=_eval_ppl)

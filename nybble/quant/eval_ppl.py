@@ -9,10 +9,37 @@ Hugging Face "perplexity of fixed-length models" recipe).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
+
+LogitsFn = Callable[[list[int]], torch.Tensor]
+"""Token ids ``[L]`` -> float logits ``[L, vocab]`` (position ``i`` predicts token ``i+1``)."""
+
+
+def hf_logits_fn(model: nn.Module) -> LogitsFn:
+    """Adapt a transformers causal LM to :data:`LogitsFn`."""
+    @torch.no_grad()
+    def fn(ids: list[int]) -> torch.Tensor:
+        out = model(input_ids=torch.tensor([ids], dtype=torch.int64), use_cache=False)
+        return out.logits[0].float()
+    return fn
+
+
+def nybble_logits_fn(model_dir: str, quantization: str | None = None) -> LogitsFn:
+    """nybble's own model for ``model_dir`` (what ``nybble serve`` runs), float32 on CPU."""
+    from nybble.config import ModelConfig
+    from nybble.kernels import get_attention_backend
+    from nybble.models.loader import load_model
+    from nybble.models.scoring import prefill_logits
+
+    device = torch.device("cpu")
+    loaded = load_model(ModelConfig(model=model_dir, quantization=quantization,
+                                    dtype="float32", device="cpu"),
+                        get_attention_backend("torch", device), device)
+    return lambda ids: prefill_logits(loaded, [ids])[0]
 
 
 def split_paragraphs(text: str, max_paragraphs: int | None = None) -> list[str]:
@@ -22,7 +49,7 @@ def split_paragraphs(text: str, max_paragraphs: int | None = None) -> list[str]:
 
 
 @torch.no_grad()
-def sequence_nll(model: nn.Module, ids: list[int], window: int, stride: int
+def sequence_nll(logits_fn: LogitsFn, ids: list[int], window: int, stride: int
                  ) -> tuple[float, int]:
     """Summed negative log-likelihood (nats) of ``ids[1:]`` and the number of tokens scored.
 
@@ -35,10 +62,9 @@ def sequence_nll(model: nn.Module, ids: list[int], window: int, stride: int
     begin = 0
     while prev_end < len(ids):
         end = min(begin + window, len(ids))
-        chunk = torch.tensor([ids[begin:end]], dtype=torch.int64)
-        logits = model(input_ids=chunk, use_cache=False).logits[0].float()
-        logp = torch.log_softmax(logits[:-1], dim=-1)
-        targets = chunk[0, 1:]
+        chunk = torch.tensor(ids[begin:end], dtype=torch.int64)
+        logp = torch.log_softmax(logits_fn(ids[begin:end])[:-1].float(), dim=-1)
+        targets = chunk[1:]
         first = prev_end - begin - 1  # index into targets of the first unscored token
         nll = -logp[first:].gather(1, targets[first:].unsqueeze(1)).sum()
         total += float(nll)
@@ -48,9 +74,9 @@ def sequence_nll(model: nn.Module, ids: list[int], window: int, stride: int
     return total, count
 
 
-def perplexity(model: nn.Module, tokenizer: Any, text: str, window: int = 512,
+def perplexity(logits_fn: LogitsFn, tokenizer: Any, text: str, window: int = 512,
                stride: int = 256, max_paragraphs: int | None = None) -> dict[str, float]:
-    """Perplexity of ``text`` under ``model``.
+    """Perplexity of ``text`` under the model behind ``logits_fn``.
 
     Returns:
         ``{"perplexity", "nll_per_token", "tokens", "paragraphs"}``.
@@ -59,7 +85,7 @@ def perplexity(model: nn.Module, tokenizer: Any, text: str, window: int = 512,
     paras = split_paragraphs(text, max_paragraphs)
     for p in paras:
         ids = tokenizer(p)["input_ids"]
-        nll, n = sequence_nll(model, ids, window, stride)
+        nll, n = sequence_nll(logits_fn, ids, window, stride)
         total, count = total + nll, count + n
     if count == 0:
         raise ValueError("text must contain at least one scorable token, got none")
@@ -68,21 +94,20 @@ def perplexity(model: nn.Module, tokenizer: Any, text: str, window: int = 512,
 
 
 @torch.no_grad()
-def greedy_continuations(ref: nn.Module, prompts: list[list[int]],
+def greedy_continuations(ref: LogitsFn, prompts: list[list[int]],
                          max_new_tokens: int = 32) -> list[list[int]]:
     """Prompt + ``max_new_tokens`` greedy tokens of ``ref`` for every prompt."""
     out = []
     for prompt in prompts:
-        ids = torch.tensor([prompt], dtype=torch.int64)
+        ids = list(prompt)
         for _ in range(max_new_tokens):
-            nxt = ref(input_ids=ids, use_cache=False).logits[0, -1].argmax()
-            ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
-        out.append(ids[0].tolist())
+            ids.append(int(ref(ids)[-1].argmax()))
+        out.append(ids)
     return out
 
 
 @torch.no_grad()
-def greedy_agreement(other: nn.Module, sequences: list[list[int]],
+def greedy_agreement(other: LogitsFn, sequences: list[list[int]],
                      prompt_lens: list[int]) -> float:
     """Fraction of generated positions where ``other``'s argmax equals the reference token.
 
@@ -91,8 +116,7 @@ def greedy_agreement(other: nn.Module, sequences: list[list[int]],
     """
     agree, total = 0, 0
     for seq, plen in zip(sequences, prompt_lens):
-        ids = torch.tensor([seq[:-1]], dtype=torch.int64)
-        pred = other(input_ids=ids, use_cache=False).logits[0].argmax(dim=-1)
+        pred = other(seq[:-1]).argmax(dim=-1)
         gen = torch.tensor(seq[plen:])
         agree += int((pred[plen - 1:] == gen).sum())
         total += gen.numel()

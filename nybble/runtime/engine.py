@@ -95,10 +95,11 @@ class LLMEngine:
         self._unscheduled: dict[int, Request] = {}  # first seq id -> request not yet run
         self._next_seq_id = 0
         self._peak_seqs = self._num_steps = self._live_tokens = 0
-        logger.info("model %s (%s), dtype %s, device %s, quantization %s, weights %.2f MiB",
-                    self.model_name, mc.model, str(self.loaded.dtype).replace("torch.", ""),
-                    self.device, self.loaded.quant_description,
-                    self.loaded.weight_bytes / 2**20)
+        logger.info("model %s (%s), dtype %s, device %s, quantization %s, weights %d bytes "
+                    "(%.2f MiB; linear layers %d bytes)", self.model_name, mc.model,
+                    str(self.loaded.dtype).replace("torch.", ""), self.device,
+                    self.loaded.quant_description, self.loaded.weight_bytes,
+                    self.loaded.weight_bytes / 2**20, self.loaded.linear_weight_bytes)
         logger.info("KV cache: %d blocks x %d tokens, %d bytes/block, %.2f MiB in all; "
                     "max_model_len %d", self.kv_spec.num_blocks, self.kv_spec.block_size,
                     self.kv_spec.bytes_per_block, self.kv_spec.total_bytes / 2**20,

@@ -31,31 +31,32 @@ A request whose ``min(prompt + max_tokens, max_model_len)`` tokens need more blo
 pool holds is rejected in :meth:`Scheduler.add` (KVCacheExhaustedError), so the oldest running
 sequence always fits alone and the scheduler never deadlocks. Contract: every non-empty batch
 from :meth:`schedule` is passed to :meth:`update` before the next :meth:`schedule`.
+
+Layout: this module decides what runs (admission, chunking, preemption) and builds the step;
+its base class :class:`~nybble.runtime.seq_manager.SeqManager` owns the sequences, queues and
+blocks, applies a step's results (``update``/``finish``) and answers the queries;
+:class:`~nybble.runtime.batch_builder.BatchBuilder` owns and fills the output buffers.
 """
-from cpython.mem cimport PyMem_Free
-from libc.stdint cimport int8_t, int32_t, int64_t
-from libc.string cimport memcpy, memmove, memset
+from libc.stdint cimport int32_t, int64_t
+from libc.string cimport memcpy, memmove
 
 import numpy as np
 
 from nybble.errors import KVCacheExhaustedError
 from nybble.runtime.batch import ScheduledBatch
 
+from nybble.runtime.batch_builder cimport BatchBuilder
 from nybble.runtime.block_allocator cimport (ALLOC_COPIED, ALLOC_NO_SPACE, BlockAllocator,
                                              raise_alloc_error)
-from nybble.runtime.sequence cimport (FINISH_ABORTED, FINISH_LENGTH, FINISH_NONE,
-                                      FINISH_STOPPED, SEQ_RUNNING, SEQ_WAITING, SeqState,
-                                      cdiv, compact_running, grow_buffer, seq_table, seq_tokens,
-                                      store_clone, store_dealloc, store_grow, store_new_slot,
-                                      store_release)
+from nybble.runtime.seq_manager cimport SeqManager
+from nybble.runtime.sequence cimport (SEQ_RUNNING, SEQ_WAITING, SeqState, cdiv, seq_table,
+                                      seq_tokens, store_grow)
 
 cdef enum:
     NO_BLOCKS = 1   # _allocate_for: the pool is short (capacity, not an error)
 
-_STATUS_NAMES = {SEQ_WAITING: "waiting", SEQ_RUNNING: "running"}
 
-
-cdef class Scheduler:
+cdef class Scheduler(SeqManager):
     """Continuous-batching scheduler (see the module docstring for the rule).
 
     Args:
@@ -88,85 +89,22 @@ cdef class Scheduler:
         self._slot_of = {}
         self._st.max_blocks = self._max_blocks_per_seq
         store_grow(&self._st)
-        cdef size_t rows = max_num_seqs * sizeof(int32_t)
-        self._row_slots = <int32_t*> grow_buffer(NULL, rows)
-        self._row_table_len = <int32_t*> grow_buffer(NULL, rows)
-        self._sample_slots = <int32_t*> grow_buffer(NULL, rows)
-        self._sample_fork = <int32_t*> grow_buffer(NULL, rows)
-        memset(self._row_table_len, 0, rows)
-        R, T, MB = max_num_seqs, max_num_batched_tokens, self._max_blocks_per_seq
-        # Preallocated once; the step loop only writes into them (llama2.c's RunState).
-        self._input_ids = self._np_input_ids = np.zeros(T, np.int32)
-        self._positions = self._np_positions = np.zeros(T, np.int64)
-        self._slot_mapping = self._np_slot_mapping = np.zeros(T, np.int64)
-        self._block_tables = self._np_block_tables = np.full((R, MB), -1, np.int32)
-        self._seq_lens = self._np_seq_lens = np.zeros(R, np.int32)
-        self._qsl = self._np_qsl = np.zeros(R + 1, np.int32)
-        self._seq_ids = self._np_seq_ids = np.zeros(R, np.int64)
-        self._sample_rows = self._np_sample_rows = np.zeros(R, np.int32)
-        self._sample_seq_ids = self._np_sample_seq_ids = np.zeros(R, np.int64)
-        self._copy_src = self._np_copy_src = np.zeros(R, np.int32)
-        self._copy_dst = self._np_copy_dst = np.zeros(R, np.int32)
+        self._batch = BatchBuilder(max_num_seqs, max_num_batched_tokens,
+                                   self._max_blocks_per_seq, block_size)
 
-    def __dealloc__(self):
-        store_dealloc(&self._st)
-        PyMem_Free(self._row_slots)
-        PyMem_Free(self._row_table_len)
-        PyMem_Free(self._sample_slots)
-        PyMem_Free(self._sample_fork)
-
-    # ---- storage (GIL held) ------------------------------------------------------------------
-
-    cdef int32_t _new_slot(self, int64_t seq_id, int64_t num_stop, int64_t cap) except -1:
-        """Take a slot for ``seq_id`` (status WAITING) and register it in ``_slot_of``."""
-        cdef int32_t slot = store_new_slot(&self._st, seq_id, num_stop, cap)
-        self._slot_of[seq_id] = slot
-        return slot
-
-    cdef int _fork_groups(self) except -1:
-        """Create the siblings of every group whose prompt completes in the in-flight batch."""
-        cdef int32_t r, i, p, c
-        cdef SeqState* ps
-        cdef SeqState* cs
-        for r in range(self._ns):
-            i = self._sample_fork[r]
-            if i == 0:
-                continue
-            p = self._sample_slots[r]
-            if (self._st.seqs[p].status != SEQ_RUNNING
-                    or self._st.seqs[p].seq_id + i != self._sample_seq_ids[r]):
-                self._sample_slots[r] = -1   # parent finished meanwhile: no sibling
-                continue
-            c = self._new_slot(self._st.seqs[p].seq_id + i, self._st.seqs[p].num_stop,
-                               self._st.seqs[p].cap_tokens)
-            store_clone(&self._st, p, c)
-            ps, cs = &self._st.seqs[p], &self._st.seqs[c]   # after _new_slot: it may realloc
-            raise_alloc_error(self._alloc.c_fork_table(seq_table(&self._st, p),
-                                                       seq_table(&self._st, c), ps.num_blocks),
-                              self._alloc._err_block)
-            cs.num_blocks, cs.status = ps.num_blocks, SEQ_RUNNING
-            self._st.running[self._num_running] = c
-            self._num_running += 1
-            ps.num_samples -= 1          # its share of the group's seq-cap weight moves to c
-            self._sample_slots[r] = c
-        return 0
-
-    # ---- C core (GIL released; errors are negative AllocStatus codes) --------------------------
-
-    cdef int _free_blocks(self, int32_t slot) noexcept nogil:
-        """Drop the sequence's reference to each of its blocks, last block first."""
-        return self._alloc.c_free_table(seq_table(&self._st, slot),
-                                        &self._st.seqs[slot].num_blocks)
+    # ---- C core: admission and preemption (GIL released; errors are negative AllocStatus
+    # codes) ----------------------------------------------------------------------------------
 
     cdef int _allocate_for(self, int32_t slot, int32_t n) noexcept nogil:
         """Cover ``n`` new tokens of ``slot`` with blocks (copy-on-write for a shared partial
         block). Returns 0, NO_BLOCKS (nothing changed) or an error code."""
         cdef SeqState* s = &self._st.seqs[slot]
+        cdef int32_t nc = self._batch._nc
         cdef int rc = self._alloc.c_cover(seq_table(&self._st, slot), &s.num_blocks,
                                           s.num_computed, s.num_computed + n,
-                                          &self._copy_src[self._nc], &self._copy_dst[self._nc])
+                                          &self._batch._copy_src[nc], &self._batch._copy_dst[nc])
         if rc == ALLOC_COPIED:
-            self._nc += 1
+            self._batch._nc += 1
         return NO_BLOCKS if rc == ALLOC_NO_SPACE else min(rc, 0)
 
     cdef int _preempt_last(self) noexcept nogil:
@@ -190,6 +128,7 @@ cdef class Scheduler:
         cdef int32_t i = 0, slot, victim, n, preempted = 0
         cdef int rc
         cdef SeqState* s
+        cdef int32_t* rows = self._batch._row_slots
         while i < self._num_running and budget[0] > 0:
             slot = self._st.running[i]
             s = &self._st.seqs[slot]
@@ -208,8 +147,8 @@ cdef class Scheduler:
             if victim == slot:      # preempted itself: everything after it is gone too
                 break
             s.num_scheduled = n
-            self._row_slots[self._nb] = slot
-            self._nb += 1
+            rows[self._batch._nb] = slot
+            self._batch._nb += 1
             budget[0] -= n
             i += 1
         return preempted
@@ -219,6 +158,7 @@ cdef class Scheduler:
         cdef int32_t k = 0, slot, n
         cdef int rc = 0
         cdef SeqState* s
+        cdef int32_t* rows = self._batch._row_slots
         while k < self._num_waiting and budget[0] > 0:
             slot = self._st.waiting[k]
             s = &self._st.seqs[slot]
@@ -236,97 +176,13 @@ cdef class Scheduler:
             self._st.running[self._num_running] = slot
             self._num_running += 1
             self._running_weight += s.num_samples
-            self._row_slots[self._nb] = slot
-            self._nb += 1
+            rows[self._batch._nb] = slot
+            self._batch._nb += 1
             budget[0] -= n
             k += 1
         self._num_waiting -= k
         memmove(self._st.waiting, self._st.waiting + k, self._num_waiting * sizeof(int32_t))
         return rc if rc < 0 else 0
-
-    cdef void _build_batch(self) noexcept nogil:
-        """Step 3: fill the output buffers for the rows in ``_row_slots``."""
-        cdef int32_t b, j, i, n, start, pos, slot, t = 0, bs = self._block_size
-        cdef int32_t MB = self._max_blocks_per_seq
-        cdef int32_t* table
-        cdef int32_t* tokens
-        cdef int32_t* row
-        cdef SeqState* s
-        self._ns, self._max_q, self._max_sl = 0, 0, 0
-        self._qsl[0] = 0
-        for b in range(self._nb):
-            slot = self._row_slots[b]
-            s = &self._st.seqs[slot]
-            n, start = s.num_scheduled, s.num_computed
-            tokens = seq_tokens(&self._st, s)
-            table = seq_table(&self._st, slot)
-            for j in range(n):
-                pos = start + j
-                self._input_ids[t] = tokens[pos]
-                self._positions[t] = pos
-                self._slot_mapping[t] = <int64_t> table[pos // bs] * bs + pos % bs
-                t += 1
-            self._qsl[b + 1] = t
-            self._seq_lens[b] = start + n
-            self._seq_ids[b] = s.seq_id
-            row = &self._block_tables[b, 0]
-            memcpy(row, table, s.num_blocks * sizeof(int32_t))
-            for j in range(s.num_blocks, self._row_table_len[b]):
-                row[j] = -1         # clear what the previous occupant of this row left
-            self._row_table_len[b] = s.num_blocks
-            self._max_q = max(self._max_q, n)
-            self._max_sl = max(self._max_sl, start + n)
-            if start + n == s.num_tokens:
-                for i in range(s.num_samples):
-                    self._sample_rows[self._ns] = t - 1
-                    self._sample_seq_ids[self._ns] = s.seq_id + i
-                    self._sample_slots[self._ns] = slot
-                    self._sample_fork[self._ns] = i
-                    self._ns += 1
-        self._nt = t
-
-    cdef int _c_update(self, const int32_t[::1] sampled, int64_t[::1] out_ids,
-                       int32_t[::1] out_tokens, int8_t[::1] out_finish) noexcept nogil:
-        """Advance num_computed of every row, append sampled tokens, finish and free.
-        Returns the number of finished sequences or an error code."""
-        cdef int32_t b, r, j, slot, tok, finished = 0
-        cdef int8_t fin
-        cdef int rc
-        cdef SeqState* s
-        for b in range(self._nb):
-            s = &self._st.seqs[self._row_slots[b]]
-            if s.status == SEQ_RUNNING and s.seq_id == self._seq_ids[b]:
-                s.num_computed += s.num_scheduled
-                s.num_scheduled = 0
-        for r in range(self._ns):
-            slot, tok = self._sample_slots[r], sampled[r]
-            out_ids[r], out_tokens[r] = self._sample_seq_ids[r], tok
-            if (slot < 0 or self._st.seqs[slot].status != SEQ_RUNNING
-                    or self._st.seqs[slot].seq_id != self._sample_seq_ids[r]):
-                out_finish[r] = FINISH_ABORTED   # finished while its batch was in flight
-                continue
-            s = &self._st.seqs[slot]
-            seq_tokens(&self._st, s)[s.num_tokens] = tok
-            s.num_tokens += 1
-            fin = FINISH_NONE
-            for j in range(s.num_stop):
-                if self._st.arena[s.region_off + j] == tok:
-                    fin = FINISH_STOPPED
-                    break
-            if fin == FINISH_NONE and (s.num_tokens - s.num_prompt_tokens >= s.max_tokens
-                                       or s.num_tokens >= self._max_model_len):
-                fin = FINISH_LENGTH
-            out_finish[r] = fin
-            if fin != FINISH_NONE:
-                rc = self._free_blocks(slot)
-                if rc != 0:
-                    return rc
-                self._running_weight -= s.num_samples
-                store_release(&self._st, slot)
-                finished += 1
-        if finished:
-            self._num_running = compact_running(&self._st, self._num_running)
-        return finished
 
     # ---- Python face -------------------------------------------------------------------------
 
@@ -403,155 +259,13 @@ cdef class Scheduler:
         cdef int32_t budget = self._max_batched
         cdef int rc
         with nogil:
-            self._nb, self._nc = 0, 0
+            self._batch._nb, self._batch._nc = 0, 0
             rc = self._schedule_running(&budget)
             if rc == 0:
                 rc = self._schedule_waiting(&budget)
             if rc >= 0:
-                self._build_batch()
+                self._batch.build(&self._st)
         if rc < 0:
             raise_alloc_error(rc, self._alloc._err_block)
-        B, T, S, C = self._nb, self._nt, self._ns, self._nc
-        self._inflight = ScheduledBatch(
-            num_seqs=B, num_tokens=T, max_query_len=self._max_q, max_seq_len=self._max_sl,
-            input_ids=self._np_input_ids[:T], positions=self._np_positions[:T],
-            slot_mapping=self._np_slot_mapping[:T], block_tables=self._np_block_tables[:B],
-            seq_lens=self._np_seq_lens[:B], query_start_loc=self._np_qsl[:B + 1],
-            seq_ids=self._np_seq_ids[:B], sample_rows=self._np_sample_rows[:S],
-            sample_seq_ids=self._np_sample_seq_ids[:S], copy_src=self._np_copy_src[:C],
-            copy_dst=self._np_copy_dst[:C])
+        self._inflight = self._batch.view()
         return self._inflight
-
-    def update(self, batch, sampled):
-        """Apply one step's results: advance num_computed of every row, append each sampled
-        token, fork groups, finish (stop id -> 1, max_tokens / max_model_len -> 2) and free.
-
-        Args:
-            batch: the ScheduledBatch returned by the last ``schedule()``.
-            sampled: int32[S] token ids, one per ``batch.sample_rows`` entry.
-
-        Returns:
-            (seq_ids int64[S], tokens int32[S], finish int8[S]); finish 3 marks a row whose
-            sequence was finished (finish()) while the batch was in flight.
-
-        Raises:
-            ValueError: ``batch`` is not the pending batch, or ``sampled`` has the wrong shape.
-            RuntimeError: the block bookkeeping is corrupt (a bug).
-        """
-        if self._inflight is None or batch is not self._inflight:
-            raise ValueError("`batch` must be the batch returned by the last schedule() and "
-                             "not yet updated, got a stale or foreign batch")
-        arr = np.ascontiguousarray(sampled, dtype=np.int32)
-        if arr.ndim != 1 or arr.shape[0] != self._ns:
-            raise ValueError(f"`sampled` must have shape ({self._ns},), got {arr.shape}")
-        self._inflight = None
-        self._fork_groups()
-        ids, tokens, finish = (np.empty(self._ns, np.int64), np.empty(self._ns, np.int32),
-                               np.empty(self._ns, np.int8))
-        cdef const int32_t[::1] sv = arr
-        cdef int64_t[::1] iv = ids
-        cdef int32_t[::1] tv = tokens
-        cdef int8_t[::1] fv = finish
-        cdef int rc, r
-        with nogil:
-            rc = self._c_update(sv, iv, tv, fv)
-        if rc < 0:
-            raise_alloc_error(rc, self._alloc._err_block)
-        for r in range(self._ns if rc > 0 else 0):
-            if fv[r] == FINISH_STOPPED or fv[r] == FINISH_LENGTH:
-                del self._slot_of[iv[r]]
-        return ids, tokens, finish
-
-    def finish(self, int64_t seq_id, int reason) -> None:
-        """Finish ``seq_id`` now (1 stop string, 2 length, 3 aborted) and free its blocks.
-        No-op when the id is unknown or already finished; an unforked group goes as a whole.
-
-        Raises:
-            ValueError: ``reason`` is not 1, 2 or 3.
-            RuntimeError: the block bookkeeping is corrupt (a bug).
-        """
-        if reason not in (FINISH_STOPPED, FINISH_LENGTH, FINISH_ABORTED):
-            raise ValueError(f"`reason` must be 1, 2 or 3, got {reason}")
-        slot_obj = self._slot_of.pop(seq_id, None)
-        if slot_obj is None:
-            return
-        cdef int32_t slot = slot_obj, i = 0
-        cdef int32_t* queue = self._st.waiting
-        cdef int32_t* count = &self._num_waiting
-        if self._st.seqs[slot].status == SEQ_RUNNING:
-            queue, count = self._st.running, &self._num_running
-            self._running_weight -= self._st.seqs[slot].num_samples
-        while queue[i] != slot:
-            i += 1
-        count[0] -= 1
-        memmove(queue + i, queue + i + 1, (count[0] - i) * sizeof(int32_t))
-        raise_alloc_error(self._free_blocks(slot), self._alloc._err_block)
-        store_release(&self._st, slot)
-
-    def has_unfinished(self) -> bool:
-        """True while any sequence is waiting or running."""
-        return self._num_running + self._num_waiting > 0
-
-    @property
-    def num_running(self) -> int:
-        """Sequences in the running list (an unforked group is one entry)."""
-        return self._num_running
-
-    @property
-    def num_waiting(self) -> int:
-        """Sequences in the waiting queue (new and preempted)."""
-        return self._num_waiting
-
-    @property
-    def num_preemptions(self) -> int:
-        """Preemptions since construction."""
-        return self._num_preemptions
-
-    @property
-    def num_free_blocks(self) -> int:
-        """Free KV blocks in the pool."""
-        return self._alloc._num_free
-
-    @property
-    def num_blocks(self) -> int:
-        """KV blocks in the pool."""
-        return self._alloc._num_blocks
-
-    @property
-    def block_size(self) -> int:
-        """Tokens per KV block."""
-        return self._block_size
-
-    def seq_block_ids(self, int64_t seq_id):
-        """Copy of the block table of ``seq_id`` (int32[num_blocks]).
-
-        Raises:
-            KeyError: ``seq_id`` is not waiting or running.
-        """
-        if seq_id not in self._slot_of:
-            raise KeyError(f"`seq_id` must be a waiting or running sequence, got {seq_id}")
-        cdef int32_t slot = self._slot_of[seq_id]
-        cdef int32_t* table = seq_table(&self._st, slot)
-        return np.array([table[k] for k in range(self._st.seqs[slot].num_blocks)], np.int32)
-
-    def debug_state(self) -> dict:
-        """Allocator state (``ref_counts``, ``free_list``) plus ``seqs`` (seq_id -> dict of
-        status, token counts, ``block_ids`` and ``token_ids``), ``running`` and ``waiting``
-        (seq ids in queue order) and ``running_weight``, for tests."""
-        state = self._alloc.debug_state()
-        seqs = {}
-        cdef SeqState* s
-        for seq_id, slot in self._slot_of.items():
-            s = &self._st.seqs[<int32_t> slot]
-            tok = seq_tokens(&self._st, s)
-            seqs[seq_id] = {
-                "status": _STATUS_NAMES[s.status], "num_prompt_tokens": s.num_prompt_tokens,
-                "num_tokens": s.num_tokens, "num_computed": s.num_computed,
-                "max_tokens": s.max_tokens, "num_samples": s.num_samples,
-                "block_ids": self.seq_block_ids(seq_id),
-                "token_ids": np.array([tok[k] for k in range(s.num_tokens)], dtype=np.int32)}
-        state.update(
-            seqs=seqs, running_weight=self._running_weight,
-            running=[self._st.seqs[self._st.running[k]].seq_id for k in range(self._num_running)],
-            waiting=[self._st.seqs[self._st.waiting[k]].seq_id for k in range(self._num_waiting)])
-        return state

@@ -5,8 +5,8 @@ A sequence lives in one slot of a :c:type:`SeqStore` (struct arrays with capacit
 sklearn's ``Node*`` + ``safe_realloc`` pattern). Its token ids live in the store's flat int32
 arena in one region ``[stop ids (num_stop) | token ids (cap_tokens)]``; its block table is row
 ``slot`` of ``tables`` (int32[cap, max_blocks], padding -1). Everything here is compiled into
-the module that cimports it (scheduler.pyx); the ``store_*`` functions that may allocate hold
-the GIL, the rest are ``noexcept nogil``.
+each module that cimports it (scheduler, seq_manager, batch_builder); the ``store_*`` functions
+that may allocate hold the GIL, the rest are ``noexcept nogil``.
 """
 from cpython.mem cimport PyMem_Free, PyMem_Realloc
 from libc.stdint cimport int32_t, int64_t

@@ -7,11 +7,12 @@ import os
 import pytest
 import torch
 
+from tests.conftest import SHARED
 from nybble.config import DEFAULT_MODEL
 from nybble.quant.hf_model import load_model
 from nybble.quant.quantize import QuantizeOptions, quantize_model
 
-FIX = "/work/shared/fixtures/quant"
+FIX = os.path.join(SHARED, "fixtures", "quant")
 
 
 def _oracle_greedy(model_dir: str, prompt: str, n: int) -> list[int]:
@@ -43,7 +44,6 @@ def test_llm_generates_from_our_quantized_folder(tmp_path: str, method: str) -> 
     assert _engine_greedy(out, "Once upon a time", 12) == _oracle_greedy(out, "Once upon a time", 12)
 
 
-@pytest.mark.skipif(not os.path.isdir(FIX), reason="shared fixtures not present")
 @pytest.mark.parametrize("d", ["tiny-llama-gptq-4bit-g32-actorder", "tiny-llama-awq-4bit-g32",
                                "tiny-llama-ct-w4a16-g32"])
 def test_llm_on_tool_checkpoints(d: str) -> None:
