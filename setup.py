@@ -1,4 +1,4 @@
-"""Build the Cython host runtime (block allocator and scheduler).
+"""Build the Cython host runtime (prefix cache, block allocator and scheduler).
 
 Metadata lives in pyproject.toml; this file only declares the extension modules.
 Set ``NYBBLE_CYTHON_DEBUG=1`` to turn bounds checks back on and add line tracing.
@@ -30,7 +30,8 @@ extensions = [
         define_macros=macros,
         extra_compile_args=["-O3"],
     )
-    for name in ("block_allocator", "batch_builder", "seq_manager", "scheduler")
+    for name in ("prefix_cache", "block_allocator", "batch_builder", "seq_manager",
+                 "scheduler")
 ]
 
 # NOTE: a separate build dir per mode, so toggling NYBBLE_CYTHON_DEBUG never reuses stale C.

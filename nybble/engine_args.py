@@ -53,6 +53,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     parser.add_argument("--kv-cache-memory", type=_parse_bytes, default=None,
                         help="KV-cache budget in bytes, e.g. 256MiB (default: 256MiB on CPU, "
                              "90%% of free memory on GPU)")
+    parser.add_argument("--enable-prefix-caching", action="store_true",
+                        help="reuse the KV cache of full blocks whose token prefix was "
+                             "computed before (automatic prefix caching; default: off)")
     parser.add_argument("--max-num-seqs", type=int, default=256,
                         help="most sequences in one engine step")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
@@ -76,6 +79,7 @@ def engine_config_from_args(args: argparse.Namespace,
         max_model_len=args.max_model_len, quantization=args.quantization, device=args.device,
         seed=args.seed, served_model_name=served_model_name, block_size=args.block_size,
         num_gpu_blocks=args.num_gpu_blocks, kv_cache_memory=args.kv_cache_memory,
+        enable_prefix_caching=args.enable_prefix_caching,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         enable_chunked_prefill=args.enable_chunked_prefill,
         attention_backend=args.attention_backend, disable_log_stats=args.disable_log_stats)

@@ -52,6 +52,9 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
                     scale: float) -> torch.Tensor:
     """Varlen causal attention of new tokens over their cached prefixes (GQA aware).
 
+    Decode sequences (one new token) and prefill chunks are computed as two padded groups, so
+    a long prefill chunk does not pad every decode row to its length.
+
     Args:
         query: ``[T, Hq, D]``.
         kv_cache: ``[2, NB, BS, Hkv, D]`` already holding this step's keys/values.
@@ -61,25 +64,51 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
     Returns:
         ``[T, Hq, D]`` in ``query.dtype``; computed in float32, or float64 for float64 inputs.
     """
-    num_tokens, num_heads, head_dim = query.shape
-    num_kv_heads = kv_cache.shape[3]
-    group = num_heads // num_kv_heads
-    acc_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
     qsl = meta.query_start_loc.long()
     q_lens = qsl[1:] - qsl[:-1]  # [B]
-    seq_lens = meta.seq_lens.long()  # [B]
+    if meta.is_decode_only or meta.max_query_len == 1:
+        return _padded_group(query, kv_cache, meta, scale, None)
+    out = torch.empty_like(query)
+    for is_decode in (True, False):
+        group = ((q_lens == 1) == is_decode).nonzero().flatten()
+        if group.numel():
+            tokens = torch.repeat_interleave(qsl[:-1][group], q_lens[group]) + \
+                _ranks(q_lens[group])
+            out[tokens] = _padded_group(query, kv_cache, meta, scale, group)
+    return out
+
+
+def _ranks(lengths: torch.Tensor) -> torch.Tensor:
+    """``[0..l0-1, 0..l1-1, ...]`` for ``lengths [G]``."""
+    starts = torch.cumsum(lengths, 0) - lengths
+    return torch.arange(int(lengths.sum()), device=lengths.device) - \
+        torch.repeat_interleave(starts, lengths)
+
+
+def _padded_group(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                  scale: float, group: torch.Tensor | None) -> torch.Tensor:
+    """Attention for the sequences ``group`` (all when None), padded to the group's longest
+    query and context; returns their tokens' outputs in batch order, ``[T_group, Hq, D]``."""
+    num_heads, head_dim = query.shape[1:]
+    num_kv_heads = kv_cache.shape[3]
+    heads_per_kv = num_heads // num_kv_heads
+    acc_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+    qsl = meta.query_start_loc.long()
+    q_lens, seq_lens, tables = qsl[1:] - qsl[:-1], meta.seq_lens.long(), meta.block_tables
+    if group is not None:
+        q_lens, seq_lens, tables = q_lens[group], seq_lens[group], tables[group]
+        starts = qsl[:-1][group]
+    else:
+        starts = qsl[:-1]
     batch = q_lens.shape[0]
-    max_q, max_s = meta.max_query_len, meta.max_seq_len
-
-    keys, values = gather_kv(kv_cache, meta.block_tables, max_s)  # [B, S, Hkv, D]
-    # Scatter the flat queries into a padded [B, max_q, Hq, D] tensor.
-    seq_of_token = torch.repeat_interleave(torch.arange(batch, device=query.device), q_lens)
-    row_in_seq = torch.arange(num_tokens, device=query.device) - qsl[seq_of_token]
+    max_q, max_s = int(q_lens.max()), int(seq_lens.max())
+    keys, values = gather_kv(kv_cache, tables, max_s)  # [B, S, Hkv, D]
+    seq_of_row = torch.repeat_interleave(torch.arange(batch, device=query.device), q_lens)
+    row_in_seq = _ranks(q_lens)
     q_pad = query.new_zeros(batch, max_q, num_heads, head_dim, dtype=acc_dtype)
-    q_pad[seq_of_token, row_in_seq] = query.to(acc_dtype)
-
-    # (B, Hkv, group, max_q, D) x (B, Hkv, D, S) -> scores (B, Hkv, group, max_q, S)
-    q5 = q_pad.view(batch, max_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+    q_pad[seq_of_row, row_in_seq] = query[starts[seq_of_row] + row_in_seq].to(acc_dtype)
+    # (B, Hkv, group, max_q, D) x (B, Hkv, 1, D, S) -> scores (B, Hkv, group, max_q, S)
+    q5 = q_pad.view(batch, max_q, num_kv_heads, heads_per_kv, head_dim).permute(0, 2, 3, 1, 4)
     k4 = keys.to(acc_dtype).permute(0, 2, 3, 1)  # (B, Hkv, D, S)
     v4 = values.to(acc_dtype).permute(0, 2, 1, 3)  # (B, Hkv, S, D)
     scores = torch.matmul(q5, k4.unsqueeze(2)) * scale
@@ -92,7 +121,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # padded rows are all -inf
     out = torch.matmul(probs, v4.unsqueeze(2))  # (B, Hkv, group, max_q, D)
     out = out.permute(0, 3, 1, 2, 4).reshape(batch, max_q, num_heads, head_dim)
-    return out[seq_of_token, row_in_seq].to(query.dtype)
+    return out[seq_of_row, row_in_seq].to(query.dtype)
 
 
 class TorchAttentionBackend:

@@ -6,6 +6,8 @@ directly (vtable call, no Python dispatch), with the GIL released.
 """
 from libc.stdint cimport int32_t
 
+from nybble.runtime.prefix_cache cimport PrefixCache
+
 # Return codes of the c_* methods (errors cross the nogil boundary as return codes; the
 # Python exception is raised afterwards by raise_alloc_error()).
 cpdef enum AllocStatus:
@@ -28,16 +30,22 @@ cdef class BlockAllocator:
         # _ref_counts    int32[N]    owners per block; 0 <=> block is on the free stack
         # _free_stack    int32[N]    free block ids; [0, _num_free) is live, top is last
         # _err_block     int32       block id of the last error code returned (for messages)
+        # _caching       bint        prefix caching on (then _cache is set)
+        # _cache         PrefixCache hashes of cached blocks + LRU of parked ones, or None;
+        #                            a parked block has ref count 0 and counts as free
         int32_t _num_blocks
         int32_t _block_size
         int32_t _num_free
         int32_t* _ref_counts
         int32_t* _free_stack
         int32_t _err_block
+        bint _caching
+        PrefixCache _cache
 
     cdef int32_t c_allocate(self) noexcept nogil
     cdef int c_free(self, int32_t block_id) noexcept nogil
     cdef int c_incref(self, int32_t block_id) noexcept nogil
+    cdef int32_t c_num_available(self) noexcept nogil
     cdef int32_t c_ref_count(self, int32_t block_id) noexcept nogil
     cdef int32_t c_copy_on_write(self, int32_t block_id) noexcept nogil
     cdef int c_free_table(self, int32_t* table, int32_t* num_blocks) noexcept nogil

@@ -6,39 +6,42 @@ Rules (one line each, over integers):
 * ``allocate``: pop the top of the free stack, ref count 0 -> 1; empty stack -> ``-1`` / ``None``
   (capacity is a return value; the scheduler reacts by preempting).
 * ``free``: ref count -= 1; when it reaches 0 the block is pushed back on the free stack.
-* ``incref`` / ``fork``: ref count += 1 for blocks that are already owned (sharing a prefix).
+* ``incref`` / ``fork``: ref count += 1 for blocks that are already owned (sharing a prefix)
+  or parked in the prefix cache (a prefix hit takes the block off the LRU list).
 * ``copy_on_write(b)``: ref count 1 -> ``b`` (write in place); ref count > 1 -> a fresh block
   ``d`` and ``b`` loses this owner (the caller copies KV ``b -> d`` before writing).
 * ``c_cover`` (the scheduler's ``allocate_slots``): before writing tokens [start, end) of a
   sequence, copy-on-write the block holding ``start`` when it is partial and shared, then grow
   the table to ``ceil(end / block_size)`` blocks -- all or nothing.
-* A block is on the free stack iff its ref count is 0; a block with ref count r is listed in
-  exactly r owners' block tables.
+* A block with ref count r is listed in exactly r owners' block tables; a block with ref count
+  0 is on the free stack or, with prefix caching, parked in the :class:`PrefixCache` LRU.
+* Prefix caching (off by default): ``free`` parks a cached block at ref count 0 instead of
+  stacking it (hash and KV kept, still counted free); ``allocate`` pops the free stack
+  first and only then evicts the least recently used parked block (dropping its hash).
 
 Corruption (double free, incref of a free block, an id outside the pool) is never a return
 value for Python callers: it raises :class:`RuntimeError` naming the block and saying it is a
 bug. No torch is imported here.
 """
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
-from libc.stdint cimport int32_t
+from libc.stdint cimport int32_t, uint64_t
 
 import numpy as np
+
+from nybble.runtime.prefix_cache cimport PrefixCache
+
+
+_ERR_MSG = {ERR_BLOCK_RANGE: "is outside the pool",
+            ERR_DOUBLE_FREE: "was freed while its ref count is already 0 (double free)",
+            ERR_INCREF_FREE: "was incref'd while it is free (ref count 0)",
+            ERR_WRITE_FREE: "was written (copy-on-write) while it is free (ref count 0)"}
 
 
 cdef int raise_alloc_error(int rc, int32_t block_id) except -1:
     """Raise the RuntimeError matching an ``AllocStatus`` error code; return 0 for ALLOC_OK."""
     if rc == ALLOC_OK:
         return 0
-    if rc == ERR_BLOCK_RANGE:
-        msg = "is outside the pool"
-    elif rc == ERR_DOUBLE_FREE:
-        msg = "was freed while its ref count is already 0 (double free)"
-    elif rc == ERR_INCREF_FREE:
-        msg = "was incref'd while it is free (ref count 0)"
-    elif rc == ERR_WRITE_FREE:
-        msg = "was written (copy-on-write) while it is free (ref count 0)"
-    else:
-        msg = f"hit unknown allocator error code {rc}"
+    msg = _ERR_MSG.get(rc, f"hit unknown allocator error code {rc}")
     raise RuntimeError(f"KV block {block_id} {msg}; this is a bug in the caller's bookkeeping")
 
 
@@ -48,13 +51,14 @@ cdef class BlockAllocator:
     Args:
         num_blocks: blocks in the pool (>= 1).
         block_size: tokens per block (>= 1).
+        enable_prefix_caching: keep freed full blocks findable by content (a PrefixCache).
 
     Raises:
         ValueError: a size is below 1.
         MemoryError: the C arrays could not be allocated.
     """
 
-    def __cinit__(self, int num_blocks, int block_size):
+    def __cinit__(self, int num_blocks, int block_size, bint enable_prefix_caching=False):
         if num_blocks < 1:
             raise ValueError(f"`num_blocks` must be >= 1, got {num_blocks}")
         if block_size < 1:
@@ -71,6 +75,8 @@ cdef class BlockAllocator:
             # Block 0 on top, so a fresh pool hands out 0, 1, 2, ... (readable in tests/logs).
             self._free_stack[i] = num_blocks - 1 - i
         self._num_free = num_blocks
+        self._caching = enable_prefix_caching
+        self._cache = PrefixCache(num_blocks, block_size) if enable_prefix_caching else None
 
     def __dealloc__(self):
         PyMem_Free(self._ref_counts)
@@ -79,11 +85,18 @@ cdef class BlockAllocator:
     # ---- C face (scheduler hot loop; GIL released) -------------------------------------------
 
     cdef int32_t c_allocate(self) noexcept nogil:
-        """Pop a free block (ref count becomes 1); return its id, or -1 when the pool is empty."""
-        if self._num_free == 0:
+        """Pop a free block, else evict the LRU parked one (ref count becomes 1); return its
+        id, or -1 when the pool is empty."""
+        cdef int32_t block_id
+        if self._num_free > 0:
+            self._num_free -= 1
+            block_id = self._free_stack[self._num_free]
+        elif self._caching:
+            block_id = self._cache.c_evict()
+            if block_id < 0:
+                return -1
+        else:
             return -1
-        self._num_free -= 1
-        cdef int32_t block_id = self._free_stack[self._num_free]
         self._ref_counts[block_id] = 1
         return block_id
 
@@ -95,18 +108,30 @@ cdef class BlockAllocator:
                 else ERR_DOUBLE_FREE
         self._ref_counts[block_id] -= 1
         if self._ref_counts[block_id] == 0:
-            self._free_stack[self._num_free] = block_id
-            self._num_free += 1
+            if self._caching and self._cache._cached[block_id]:
+                self._cache.c_park(block_id)
+            else:
+                self._free_stack[self._num_free] = block_id
+                self._num_free += 1
         return ALLOC_OK
 
     cdef int c_incref(self, int32_t block_id) noexcept nogil:
-        """Add one reference to an owned block (sharing); a free block is an error code."""
-        if block_id < 0 or block_id >= self._num_blocks or self._ref_counts[block_id] <= 0:
+        """Add one reference to an owned block (sharing) or to a parked cached block (a
+        prefix hit; it leaves the LRU list); any other free block is an error code."""
+        if block_id < 0 or block_id >= self._num_blocks:
             self._err_block = block_id
-            return ERR_BLOCK_RANGE if block_id < 0 or block_id >= self._num_blocks \
-                else ERR_INCREF_FREE
+            return ERR_BLOCK_RANGE
+        if self._ref_counts[block_id] == 0:
+            if not (self._caching and self._cache._cached[block_id]):
+                self._err_block = block_id
+                return ERR_INCREF_FREE
+            self._cache.c_unpark(block_id)
         self._ref_counts[block_id] += 1
         return ALLOC_OK
+
+    cdef int32_t c_num_available(self) noexcept nogil:
+        """Blocks an allocation may take: the free stack plus the parked cached blocks."""
+        return self._num_free + (self._cache._num_evictable if self._caching else 0)
 
     cdef int32_t c_ref_count(self, int32_t block_id) noexcept nogil:
         """Ref count of ``block_id``; -1 for an id outside the pool."""
@@ -165,7 +190,7 @@ cdef class BlockAllocator:
             need = 0
         if start % bs != 0 and self.c_ref_count(table[start // bs]) > 1:
             cow = start // bs
-        if need + (cow >= 0) > self._num_free:
+        if need + (cow >= 0) > self.c_num_available():
             return ALLOC_NO_SPACE
         if cow >= 0:
             fresh = self.c_copy_on_write(table[cow])    # ref > 1 and a free block: succeeds
@@ -179,11 +204,8 @@ cdef class BlockAllocator:
     # ---- Python face (tests, debugging) ------------------------------------------------------
 
     def allocate(self) -> int | None:
-        """Take one free block (ref count 1).
-
-        Returns:
-            The block id, or ``None`` when the pool is exhausted (not an error).
-        """
+        """Take one free block (ref count 1): its id, or ``None`` when the pool is exhausted
+        (capacity, not an error)."""
         cdef int32_t block_id = self.c_allocate()
         return None if block_id < 0 else block_id
 
@@ -196,27 +218,23 @@ cdef class BlockAllocator:
         raise_alloc_error(self.c_free(block_id), block_id)
 
     def incref(self, int block_id) -> None:
-        """Add one reference to an owned block (it is now shared by one more owner).
+        """Add one reference to an owned block (one more owner) or a parked cached block.
 
         Raises:
-            RuntimeError: the block is outside the pool or free (a bug).
+            RuntimeError: the block is outside the pool or free and not cached (a bug).
         """
         raise_alloc_error(self.c_incref(block_id), block_id)
 
     def fork(self, block_ids) -> None:
-        """Share every block of ``block_ids`` with one more owner (incref each, in order).
-
-        Args:
-            block_ids: 1-D sequence of owned block ids (a sequence's block table).
+        """Share every block of ``block_ids`` (1-D owned ids, a block table) with one more
+        owner (incref each, in order).
 
         Raises:
-            RuntimeError: one of the blocks is outside the pool or free (a bug); blocks before
-                it in the list keep their extra reference.
+            RuntimeError: a block is outside the pool or free (a bug); earlier ones keep
+                their extra reference.
         """
-        cdef int32_t block_id
         for b in block_ids:
-            block_id = b
-            raise_alloc_error(self.c_incref(block_id), block_id)
+            raise_alloc_error(self.c_incref(b), b)
 
     def copy_on_write(self, int block_id) -> int | None:
         """The block an owner of ``block_id`` should write: ``block_id`` itself when it has one
@@ -244,10 +262,30 @@ cdef class BlockAllocator:
                 f"`block_id` must be in [0, {self._num_blocks}), got {block_id}")
         return self._ref_counts[block_id]
 
+    def register(self, int block_id, uint64_t parent_hash, token_ids) -> int:
+        """Cache an owned, full, computed block holding ``token_ids`` (int32[block_size])
+        after the block whose hash is ``parent_hash`` (0 for block 0); returns its hash.
+
+        Raises:
+            ValueError: prefix caching is off, the block is not owned, or a wrong length.
+        """
+        cdef const int32_t[::1] tv = np.ascontiguousarray(token_ids, np.int32).reshape(-1)
+        if not (self._caching and tv.shape[0] == self._block_size
+                and self.ref_count(block_id) > 0):
+            raise ValueError(f"register() needs prefix caching, an owned block and "
+                             f"{self._block_size} token ids, got block {block_id} (ref count "
+                             f"{self.ref_count(block_id)}), {tv.shape[0]} ids")
+        return self._cache.c_register(block_id, parent_hash, &tv[0])
+
+    @property
+    def prefix_cache(self) -> PrefixCache | None:
+        """The :class:`PrefixCache` (None when prefix caching is off)."""
+        return self._cache
+
     @property
     def num_free_blocks(self) -> int:
-        """Blocks currently free (on the free stack)."""
-        return self._num_free
+        """Blocks an allocation may take: the free stack plus parked cached blocks."""
+        return self.c_num_available()
 
     @property
     def num_blocks(self) -> int:
@@ -260,16 +298,13 @@ cdef class BlockAllocator:
         return self._block_size
 
     def debug_state(self) -> dict:
-        """Copies of the C state for tests: ``ref_counts`` int32[num_blocks] and ``free_list``
-        int32[num_free_blocks] (bottom of the stack first; the next allocation is the last)."""
-        ref_counts = np.empty(self._num_blocks, dtype=np.int32)
-        free_list = np.empty(self._num_free, dtype=np.int32)
-        cdef int32_t[::1] rc = ref_counts
-        cdef int32_t[::1] fl = free_list
-        cdef int32_t i
-        for i in range(self._num_blocks):
-            rc[i] = self._ref_counts[i]
-        for i in range(self._num_free):
-            fl[i] = self._free_stack[i]
-        return {"ref_counts": ref_counts, "free_list": free_list,
+        """Copies of the C state for tests: ``ref_counts`` int32[num_blocks], ``free_list``
+        int32[num_free_blocks] (every block with ref count 0: parked cached blocks most
+        recently used first, then the free stack from the bottom; the next allocation is the
+        last) and ``evictable`` (parked cached blocks, least recently used first)."""
+        ref_counts = np.array([self._ref_counts[i] for i in range(self._num_blocks)], np.int32)
+        evictable = self._cache.debug_state()["evictable"] if self._caching else []
+        stack = [self._free_stack[i] for i in range(self._num_free)]
+        return {"ref_counts": ref_counts, "evictable": evictable,
+                "free_list": np.array(evictable[::-1] + stack, dtype=np.int32),
                 "num_blocks": self._num_blocks, "block_size": self._block_size}

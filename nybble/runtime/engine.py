@@ -35,9 +35,13 @@ logger = logging.getLogger(__name__)
 class EngineStats:
     """A snapshot of the engine's load (all counts are sequences, blocks or tokens).
 
-    ``kv_cache_usage`` is the fraction of KV blocks in use (0..1); ``num_live_tokens`` the
-    tokens whose K/V the sequences of the last step hold (the sum of their ``seq_lens``), for
-    KV-waste figures: ``1 - num_live_tokens / (used_blocks * block_size)``.
+    ``kv_cache_usage`` is the fraction of KV blocks in use (0..1; parked prefix-cache blocks
+    count as free); ``num_live_tokens`` the tokens whose K/V the sequences of the last step
+    hold (the sum of their ``seq_lens``), for KV-waste figures:
+    ``1 - num_live_tokens / (used_blocks * block_size)``. With prefix caching,
+    ``num_cached_tokens_total`` counts the tokens admitted sequences found in the cache (not
+    computed) and ``prefix_cache_hit_rate`` is that over the tokens of the sequences admitted
+    (0 when caching is off or nothing was admitted).
     """
 
     num_running: int
@@ -50,6 +54,8 @@ class EngineStats:
     num_steps: int
     num_live_tokens: int
     block_size: int
+    num_cached_tokens_total: int = 0
+    prefix_cache_hit_rate: float = 0.0
 
 
 def _resolve_device(name: str) -> torch.device:
@@ -87,7 +93,8 @@ class LLMEngine:
         self.max_model_len = self.loaded.max_model_len
         self.scheduler = Scheduler(self.kv_spec.num_blocks, self.kv_spec.block_size,
                                    sc.max_num_seqs, sc.max_num_batched_tokens,
-                                   self.max_model_len, sc.enable_chunked_prefill)
+                                   self.max_model_len, sc.enable_chunked_prefill,
+                                   enable_prefix_caching=config.cache_config.enable_prefix_caching)
         self.model_name = mc.name
         self.vocab_size = int(hf.vocab_size)
         self.requests: dict[str, Request] = {}
@@ -101,9 +108,10 @@ class LLMEngine:
                     self.loaded.quant_description, self.loaded.weight_bytes,
                     self.loaded.weight_bytes / 2**20, self.loaded.linear_weight_bytes)
         logger.info("KV cache: %d blocks x %d tokens, %d bytes/block, %.2f MiB in all; "
-                    "max_model_len %d", self.kv_spec.num_blocks, self.kv_spec.block_size,
-                    self.kv_spec.bytes_per_block, self.kv_spec.total_bytes / 2**20,
-                    self.max_model_len)
+                    "max_model_len %d; prefix caching %s", self.kv_spec.num_blocks,
+                    self.kv_spec.block_size, self.kv_spec.bytes_per_block,
+                    self.kv_spec.total_bytes / 2**20, self.max_model_len,
+                    "on" if config.cache_config.enable_prefix_caching else "off")
 
     @classmethod
     def from_engine_args(cls, model: str | None = None, **kwargs: Any) -> LLMEngine:
@@ -272,4 +280,7 @@ class LLMEngine:
                            num_free_blocks=s.num_free_blocks, num_blocks=s.num_blocks,
                            kv_cache_usage=used / s.num_blocks, num_preemptions=s.num_preemptions,
                            peak_num_seqs_in_step=self._peak_seqs, num_steps=self._num_steps,
-                           num_live_tokens=self._live_tokens, block_size=s.block_size)
+                           num_live_tokens=self._live_tokens, block_size=s.block_size,
+                           num_cached_tokens_total=s.num_prefix_hit_tokens,
+                           prefix_cache_hit_rate=s.num_prefix_hit_tokens
+                           / max(s.num_prefix_query_tokens, 1))

@@ -24,5 +24,6 @@ cdef class Scheduler(SeqManager):
     # GIL released (errors are negative return codes, see block_allocator.AllocStatus)
     cdef int _allocate_for(self, int32_t slot, int32_t n) noexcept nogil
     cdef int _preempt_last(self) noexcept nogil
+    cdef int _reuse_prefix(self, int32_t slot) noexcept nogil
     cdef int _schedule_running(self, int32_t* budget) noexcept nogil
     cdef int _schedule_waiting(self, int32_t* budget) noexcept nogil

@@ -11,10 +11,12 @@ parallel-sampling group counts ``num_samples``):
    (blocks freed, ``num_computed = 0``, front of the waiting queue; possibly the sequence
    itself) and the allocation is retried;
 2. if nobody was preempted, waiting sequences are admitted FCFS (strict head-of-line) while
-   budget, cap and free blocks allow. A prompt longer than the remaining budget is chunked when
-   ``enable_chunked_prefill``; otherwise it waits until it fits whole, except a prompt longer
-   than the whole budget, which is chunked anyway (it could never fit, and refusing it would
-   deadlock recompute after preemption).
+   budget, cap and free blocks allow; with prefix caching, an admitted sequence first takes
+   its longest cached chain of full blocks (at most ``num_tokens - 1`` tokens, so the last
+   token is computed and sampled) and starts with ``num_computed`` = the hit tokens. A prompt
+   longer than the remaining budget is chunked when ``enable_chunked_prefill``; otherwise it
+   waits until it fits whole, except a prompt longer than the whole budget, which is chunked
+   anyway (it could never fit, and refusing it would deadlock recompute after preemption).
 
 A sequence is sampled in a step iff after the step ``num_computed == num_tokens``. Prefill,
 chunked prefill, decode and recompute after preemption (prompt + generated tokens become the
@@ -22,10 +24,14 @@ prefill) all fall out of this one rule. Token regions of one sequence at schedul
 
     |<---------------------- num_tokens (prompt + generated) ---------------------->|
     |<------ num_computed (KV cached) ------>|<--- new (scheduled) --->|<-- later -->|
+    |<-- prefix hit -->|  (whole cached blocks, taken on admission: num_computed starts here)
     |  blk 0  |  blk 1  | ... | blk k (part) |   to-allocate blocks    |
                                   ^ first write lands in blk k: if its ref count > 1
                                     (shared with a sibling) it is copied first (CoW)
     blocks to allocate = ceil((num_computed + new) / block_size) - num_blocks
+
+Hit blocks are whole (``num_computed = h * block_size`` on admission), so no write ever lands
+in a cached block; blocks become cacheable in ``update`` once full and computed.
 
 A request whose ``min(prompt + max_tokens, max_model_len)`` tokens need more blocks than the
 pool holds is rejected in :meth:`Scheduler.add` (KVCacheExhaustedError), so the oldest running
@@ -66,6 +72,8 @@ cdef class Scheduler(SeqManager):
         max_num_batched_tokens: token budget per step (tokens).
         max_model_len: context limit (tokens).
         enable_chunked_prefill: split prompts across steps to fill the budget.
+        enable_prefix_caching: reuse cached full blocks of earlier sequences on admission
+            (automatic prefix caching, see prefix_cache.pyx).
 
     Raises:
         ValueError: a size is below 1.
@@ -73,13 +81,13 @@ cdef class Scheduler(SeqManager):
 
     def __init__(self, int num_blocks, int block_size, int max_num_seqs,
                  int max_num_batched_tokens, int max_model_len,
-                 bint enable_chunked_prefill=True):
+                 bint enable_chunked_prefill=True, bint enable_prefix_caching=False):
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size),
                             ("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len),
                             ("max_num_batched_tokens", max_num_batched_tokens)):
             if value < 1:
                 raise ValueError(f"`{name}` must be >= 1, got {value}")
-        self._alloc = BlockAllocator(num_blocks, block_size)
+        self._alloc = BlockAllocator(num_blocks, block_size, enable_prefix_caching)
         self._block_size = block_size
         self._max_num_seqs = max_num_seqs
         self._max_batched = max_num_batched_tokens
@@ -123,6 +131,25 @@ cdef class Scheduler(SeqManager):
         self._num_preemptions += 1
         return 0
 
+    cdef int _reuse_prefix(self, int32_t slot) noexcept nogil:
+        """Admission with prefix caching: point the table of waiting ``slot`` (no blocks) at
+        its longest cached chain of full blocks, at most ``num_tokens - 1`` tokens, taking a
+        reference to each; ``num_computed`` = the hit tokens. Returns them or an error code."""
+        cdef SeqState* s = &self._st.seqs[slot]
+        cdef int32_t* table = seq_table(&self._st, slot)
+        cdef int32_t j, k = self._alloc._cache.c_match(
+            seq_tokens(&self._st, s), (s.num_tokens - 1) // self._block_size, table,
+            &s.last_hash)
+        cdef int rc
+        for j in range(k):
+            rc = self._alloc.c_incref(table[j])
+            if rc != 0:
+                s.num_blocks = j
+                return rc
+        s.num_blocks = s.num_hashed = k
+        s.num_computed = k * self._block_size
+        return s.num_computed
+
     cdef int _schedule_running(self, int32_t* budget) noexcept nogil:
         """Step 1: running sequences, oldest first. Returns preemptions (>= 0) or an error."""
         cdef int32_t i = 0, slot, victim, n, preempted = 0
@@ -155,7 +182,7 @@ cdef class Scheduler(SeqManager):
 
     cdef int _schedule_waiting(self, int32_t* budget) noexcept nogil:
         """Step 2: admit waiting sequences FCFS (head-of-line). Returns 0 or an error."""
-        cdef int32_t k = 0, slot, n
+        cdef int32_t k = 0, slot, n, hit
         cdef int rc = 0
         cdef SeqState* s
         cdef int32_t* rows = self._batch._row_slots
@@ -164,14 +191,25 @@ cdef class Scheduler(SeqManager):
             s = &self._st.seqs[slot]
             if self._running_weight + s.num_samples > self._max_num_seqs:
                 break
-            n = s.num_tokens - s.num_computed
+            hit = self._reuse_prefix(slot) if self._alloc._caching else 0
+            if hit < 0:
+                rc = hit
+                break
+            n, rc = s.num_tokens - s.num_computed, 0
             if n > budget[0]:
                 if not self._chunked and n <= self._max_batched:
-                    break           # would fit whole in a later step
+                    rc = NO_BLOCKS  # would fit whole in a later step
                 n = budget[0]
-            rc = self._allocate_for(slot, n)
+            if rc == 0:
+                rc = self._allocate_for(slot, n)
             if rc != 0:
+                if rc > 0 and s.num_blocks > 0:     # not admitted: give the hits back
+                    rc = self._free_blocks(slot)
+                    s.num_computed = 0
                 break
+            if self._alloc._caching:
+                self._prefix_hits += hit
+                self._prefix_queries += s.num_tokens
             s.status, s.num_scheduled = SEQ_RUNNING, n
             self._st.running[self._num_running] = slot
             self._num_running += 1

@@ -4,7 +4,7 @@ from libc.stdint cimport int8_t, int32_t, int64_t
 
 from nybble.runtime.batch_builder cimport BatchBuilder
 from nybble.runtime.block_allocator cimport BlockAllocator
-from nybble.runtime.sequence cimport SeqStore
+from nybble.runtime.sequence cimport SeqState, SeqStore
 
 
 cdef class SeqManager:
@@ -32,10 +32,14 @@ cdef class SeqManager:
         # _st.waiting[0:_num_waiting]   slots FCFS, front = index 0 (preempted go to the front)
         # _running_weight       int32      sum of num_samples over running (<= max_num_seqs)
         # _num_preemptions      int64      total preemptions since construction
+        # _prefix_hits          int64      tokens found in the prefix cache on admission
+        # _prefix_queries       int64      tokens of the sequences admitted with caching on
         int32_t _num_running
         int32_t _running_weight
         int32_t _num_waiting
         int64_t _num_preemptions
+        int64_t _prefix_hits
+        int64_t _prefix_queries
 
         # ---- the in-flight batch ------------------------------------------------------------
         # _batch                BatchBuilder  rows, sample rows, copy pairs, output buffers
@@ -49,5 +53,6 @@ cdef class SeqManager:
 
     # GIL released (errors are negative return codes, see block_allocator.AllocStatus)
     cdef int _free_blocks(self, int32_t slot) noexcept nogil
+    cdef void _cache_full_blocks(self, SeqState* s, int32_t slot) noexcept nogil
     cdef int _c_update(self, const int32_t[::1] sampled, int64_t[::1] out_ids,
                        int32_t[::1] out_tokens, int8_t[::1] out_finish) noexcept nogil

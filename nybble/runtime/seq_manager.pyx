@@ -70,9 +70,21 @@ cdef class SeqManager:
     # ---- C core (GIL released; errors are negative AllocStatus codes) --------------------------
 
     cdef int _free_blocks(self, int32_t slot) noexcept nogil:
-        """Drop the sequence's reference to each of its blocks, last block first."""
+        """Drop the sequence's reference to each of its blocks, last block first (cached ones
+        stay findable until evicted); its prefix-hash state restarts at block 0."""
+        self._st.seqs[slot].num_hashed, self._st.seqs[slot].last_hash = 0, 0
         return self._alloc.c_free_table(seq_table(&self._st, slot),
                                         &self._st.seqs[slot].num_blocks)
+
+    cdef void _cache_full_blocks(self, SeqState* s, int32_t slot) noexcept nogil:
+        """Prefix caching: register every block of ``s`` that is now full and computed."""
+        cdef int32_t bs = self._block_size
+        cdef int32_t* table = seq_table(&self._st, slot)
+        cdef int32_t* tokens = seq_tokens(&self._st, s)
+        while (s.num_hashed + 1) * bs <= s.num_computed:
+            s.last_hash = self._alloc._cache.c_register(table[s.num_hashed], s.last_hash,
+                                                        tokens + s.num_hashed * bs)
+            s.num_hashed += 1
 
     cdef int _c_update(self, const int32_t[::1] sampled, int64_t[::1] out_ids,
                        int32_t[::1] out_tokens, int8_t[::1] out_finish) noexcept nogil:
@@ -91,6 +103,8 @@ cdef class SeqManager:
             if s.status == SEQ_RUNNING and s.seq_id == row_ids[b]:
                 s.num_computed += s.num_scheduled
                 s.num_scheduled = 0
+                if self._alloc._caching:
+                    self._cache_full_blocks(s, row_slots[b])
         for r in range(self._batch._ns):
             slot, tok = sample_slots[r], sampled[r]
             out_ids[r], out_tokens[r] = sample_ids[r], tok
@@ -209,9 +223,24 @@ cdef class SeqManager:
         return self._num_preemptions
 
     @property
+    def num_prefix_hit_tokens(self) -> int:
+        """Tokens found in the prefix cache when sequences were admitted (total)."""
+        return self._prefix_hits
+
+    @property
+    def num_prefix_query_tokens(self) -> int:
+        """Tokens of the sequences admitted while prefix caching is on (total; 0 when off)."""
+        return self._prefix_queries
+
+    @property
+    def prefix_cache(self):
+        """The pool's PrefixCache (``match``, ``debug_state``); None when caching is off."""
+        return self._alloc._cache
+
+    @property
     def num_free_blocks(self) -> int:
-        """Free KV blocks in the pool."""
-        return self._alloc._num_free
+        """Free KV blocks in the pool (parked prefix-cache blocks count as free)."""
+        return self._alloc.c_num_available()
 
     @property
     def num_blocks(self) -> int:

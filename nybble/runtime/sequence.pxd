@@ -9,7 +9,7 @@ each module that cimports it (scheduler, seq_manager, batch_builder); the ``stor
 that may allocate hold the GIL, the rest are ``noexcept nogil``.
 """
 from cpython.mem cimport PyMem_Free, PyMem_Realloc
-from libc.stdint cimport int32_t, int64_t
+from libc.stdint cimport int32_t, int64_t, uint64_t
 from libc.string cimport memcpy
 
 cdef enum SeqStatus:
@@ -38,6 +38,8 @@ ctypedef struct SeqState:
     # num_blocks         int32   valid entries of its block-table row (blocks)
     # num_stop           int32   stop ids at the front of the region
     # region_off         int64   arena offset of the region (int32 elements)
+    # num_hashed         int32   prefix caching: leading full blocks registered/hit (blocks)
+    # last_hash          uint64  prefix caching: chained hash of block num_hashed-1 (0: none)
     int64_t seq_id
     int32_t status
     int32_t num_prompt_tokens
@@ -50,6 +52,8 @@ ctypedef struct SeqState:
     int32_t num_blocks
     int32_t num_stop
     int64_t region_off
+    int32_t num_hashed
+    uint64_t last_hash
 
 ctypedef struct SeqStore:
     # field        type            meaning (units)
@@ -162,8 +166,8 @@ cdef inline int32_t store_new_slot(SeqStore* st, int64_t seq_id, int64_t num_sto
     s.seq_id, s.status, s.region_off = seq_id, SEQ_WAITING, off
     s.num_stop, s.cap_tokens = <int32_t> num_stop, <int32_t> cap_tokens
     s.num_tokens = s.num_computed = s.num_scheduled = s.num_blocks = 0
-    s.num_prompt_tokens = s.max_tokens = 0
-    s.num_samples = 1
+    s.num_prompt_tokens = s.max_tokens = s.num_hashed = 0
+    s.num_samples, s.last_hash = 1, 0
     return slot
 
 
@@ -185,6 +189,7 @@ cdef inline void store_clone(SeqStore* st, int32_t parent, int32_t child) noexce
     cdef SeqState* c = &st.seqs[child]
     c.num_prompt_tokens, c.num_tokens, c.max_tokens = p.num_prompt_tokens, p.num_tokens, p.max_tokens
     c.num_computed = p.num_computed + p.num_scheduled
+    c.num_hashed, c.last_hash = p.num_hashed, p.last_hash
     memcpy(st.arena + c.region_off, st.arena + p.region_off,
            (p.num_stop + p.num_tokens) * sizeof(int32_t))
 
