@@ -15,19 +15,10 @@ from nybble.bench.stats import BackendResult, WasteTracker
 from nybble.bench.workloads import BenchRequest
 
 
-def live_tokens(stats: Any, outs: list[Any]) -> int:
-    """Tokens whose KV entries belong to sequences that still hold blocks after a step.
-
-    ``stats.num_live_tokens`` is the sum of the step batch's ``seq_lens``, read after
-    ``update()`` has already freed the blocks of sequences that finished in that step, so their
-    tokens are taken out again: a sequence that sampled its last (``g``-th) token held
-    ``prompt + g - 1`` KV entries.
-    """
-    live = int(stats.num_live_tokens)
-    for out in outs:
-        if out.finished:
-            live -= sum(len(out.prompt_token_ids) + len(c.token_ids) - 1 for c in out.outputs)
-    return live
+def live_tokens(stats: Any) -> int:
+    """Tokens whose KV entries belong to sequences that still hold blocks after a step
+    (``EngineStats.num_live_tokens``: the step's sequences minus those that finished in it)."""
+    return int(stats.num_live_tokens)
 
 
 class _StepSampler:
@@ -44,7 +35,7 @@ class _StepSampler:
     def _step(self) -> list[Any]:
         outs = self._orig()
         stats = self.engine.get_stats()
-        live = live_tokens(stats, outs)
+        live = live_tokens(stats)
         used = int(stats.num_blocks) - int(stats.num_free_blocks)
         self.tracker.add(live, used * int(getattr(stats, "block_size", self.block_size)))
         self.steps += 1

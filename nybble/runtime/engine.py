@@ -37,7 +37,7 @@ class EngineStats:
 
     ``kv_cache_usage`` is the fraction of KV blocks in use (0..1; parked prefix-cache blocks
     count as free); ``num_live_tokens`` the tokens whose K/V the sequences of the last step
-    hold (the sum of their ``seq_lens``), for KV-waste figures:
+    still hold (the sum of their ``seq_lens``, less those that finished), for KV-waste figures:
     ``1 - num_live_tokens / (used_blocks * block_size)``. With prefix caching,
     ``num_cached_tokens_total`` counts the tokens admitted sequences found in the cache (not
     computed) and ``prefix_cache_hit_rate`` is that over the tokens of the sequences admitted
@@ -55,6 +55,7 @@ class EngineStats:
     num_live_tokens: int
     block_size: int
     num_cached_tokens_total: int = 0
+    num_prefix_query_tokens_total: int = 0
     prefix_cache_hit_rate: float = 0.0
 
 
@@ -194,11 +195,15 @@ class LLMEngine:
         if batch.num_seqs == 0:
             return []
         self._note_scheduled(batch.seq_ids)
-        self._live_tokens = int(batch.seq_lens.sum())
         result = self.runner.execute(batch, self._sampling_batch(batch.sample_seq_ids))
         sampled = result.token_ids.to(device="cpu", dtype=torch.int32).numpy()
         seq_ids, tokens, finish = self.scheduler.update(batch, sampled)
-        return self._process(seq_ids, tokens, finish, result)
+        finished: list[int] = []
+        outputs = self._process(seq_ids, tokens, finish, result, finished)
+        # Tokens whose K/V the step's sequences still hold (finished ones freed their blocks).
+        still_running = ~np.isin(batch.seq_ids, finished)
+        self._live_tokens = int(batch.seq_lens[still_running].sum())
+        return outputs
 
     def _note_scheduled(self, seq_ids: np.ndarray) -> None:
         self._num_steps += 1
@@ -222,7 +227,9 @@ class LLMEngine:
             max_logprobs=max((p.logprobs for p in ps if p.logprobs is not None), default=-1))
 
     def _process(self, seq_ids: np.ndarray, tokens: np.ndarray, finish: np.ndarray,
-                 result: SamplerOutput) -> list[RequestOutput]:
+                 result: SamplerOutput, finished: list[int]) -> list[RequestOutput]:
+        """Append sampled tokens, detokenize, apply stop strings; ``finished`` collects the
+        ids of sequences that ended in this step."""
         now = time.monotonic()
         changed: dict[str, Request] = {}
         for row, (sid, token, code) in enumerate(zip(seq_ids.tolist(), tokens.tolist(),
@@ -251,6 +258,7 @@ class LLMEngine:
                 out.finish_reason = reason.openai
                 request.num_finished += 1
                 del self._seqs[sid]
+                finished.append(sid)
             changed[request.request_id] = request
         outputs = []
         for request in changed.values():
@@ -282,5 +290,6 @@ class LLMEngine:
                            peak_num_seqs_in_step=self._peak_seqs, num_steps=self._num_steps,
                            num_live_tokens=self._live_tokens, block_size=s.block_size,
                            num_cached_tokens_total=s.num_prefix_hit_tokens,
+                           num_prefix_query_tokens_total=s.num_prefix_query_tokens,
                            prefix_cache_hit_rate=s.num_prefix_hit_tokens
                            / max(s.num_prefix_query_tokens, 1))

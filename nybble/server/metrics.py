@@ -62,7 +62,13 @@ class ServerMetrics:
         self.queue = Histogram("nybble:request_queue_time_seconds",
                                "Arrival to first scheduled, seconds.", lab,
                                buckets=_REQUEST_BUCKETS, registry=reg).labels(model_name)
-        self._preemptions_seen = 0
+        self.prefix_queries = Counter(
+            "nybble:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+            lab, registry=reg).labels(model_name)
+        self.prefix_hits = Counter(
+            "nybble:prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed).",
+            lab, registry=reg).labels(model_name)
+        self._preemptions_seen = self._queries_seen = self._hits_seen = 0
 
     def observe(self, record: StepRecord) -> None:
         """Update every metric from one engine step (called on the engine thread)."""
@@ -81,9 +87,12 @@ class ServerMetrics:
             self.running.set(stats.num_running)
             self.waiting.set(stats.num_waiting)
             self.kv_usage.set(stats.kv_cache_usage)
-            if stats.num_preemptions > self._preemptions_seen:
-                self.preemptions.inc(stats.num_preemptions - self._preemptions_seen)
-                self._preemptions_seen = stats.num_preemptions
+            self.preemptions.inc(stats.num_preemptions - self._preemptions_seen)
+            self.prefix_queries.inc(stats.num_prefix_query_tokens_total - self._queries_seen)
+            self.prefix_hits.inc(stats.num_cached_tokens_total - self._hits_seen)
+            self._preemptions_seen = stats.num_preemptions
+            self._queries_seen = stats.num_prefix_query_tokens_total
+            self._hits_seen = stats.num_cached_tokens_total
 
     def _observe_finished(self, out: RequestOutput, now: float) -> None:
         reason = next((o.finish_reason for o in out.outputs if o.finish_reason), "stop")

@@ -66,6 +66,11 @@ def test_staggered_arrivals_match_solo_runs(solo_outputs) -> None:
         for out in engine.step():
             if out.finished:
                 finals[out.request_id] = out.outputs[0].token_ids
+        stats = engine.get_stats()
+        used_slots = (stats.num_blocks - stats.num_free_blocks) * stats.block_size
+        # Every live token sits in an allocated slot; less than one block per sequence is idle.
+        assert used_slots - 16 * stats.num_running < stats.num_live_tokens <= used_slots or \
+            stats.num_running == 0
     assert engine.get_stats().peak_num_seqs_in_step > 8
     for i in range(64):
         assert finals[str(i)] == solo_outputs[i], f"request {i}"
