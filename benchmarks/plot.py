@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import math
 import os
@@ -100,10 +101,17 @@ def plot_serve(paths: tuple[str, ...], out_png: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Parse flags, draw the requested charts, print the PNG paths."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--throughput", nargs="*", default=[], help="bench throughput JSONs")
-    parser.add_argument("--serve", nargs="*", default=[], help="bench serve JSONs")
-    parser.add_argument("--out", default="benchmarks/results", help="folder for the PNGs")
+    results = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+    parser.add_argument("--throughput", nargs="*", default=None,
+                        help="bench throughput JSONs (default: results/throughput-*.json)")
+    parser.add_argument("--serve", nargs="*", default=None,
+                        help="bench serve JSONs (default: results/serve-*.json)")
+    parser.add_argument("--out", default=results, help="folder for the PNGs")
     args = parser.parse_args(argv)
+    if args.throughput is None:
+        args.throughput = sorted(glob.glob(os.path.join(results, "throughput-*.json")))
+    if args.serve is None:
+        args.serve = sorted(glob.glob(os.path.join(results, "serve-*.json")))
     cfg = PlotConfig(tuple(args.throughput), tuple(args.serve), args.out)
     os.makedirs(cfg.out, exist_ok=True)
     if cfg.throughput:

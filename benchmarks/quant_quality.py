@@ -125,7 +125,9 @@ def main() -> int:
               f"{r['linear_bytes_vs_fp16']:.3f} | {r['quantized_linears']}/{r['skipped_linears']} |")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w", encoding="utf-8") as f:
-        json.dump({"settings": vars(args), "rows": rows}, f, indent=2)
+        settings = {**vars(args), "out": os.path.basename(args.out),
+                    "models": [os.path.basename(os.path.normpath(m)) for m in args.models]}
+        json.dump({"settings": settings, "rows": rows}, f, indent=2)
     return 0
 
 
