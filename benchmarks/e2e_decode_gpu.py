@@ -24,14 +24,14 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # run from a checkout without installing
 
-from transformers import LlamaConfig  # noqa: E402
+from transformers import LlamaConfig
 
-from nybble.bench.report import print_table, write_json  # noqa: E402
-from nybble.kernels import get_attention_backend  # noqa: E402
-from nybble.kernels.interface import AttentionMetadata  # noqa: E402
-from nybble.models.linear import dense_linear_factory  # noqa: E402
-from nybble.models.llama import LlamaForCausalLM  # noqa: E402
-from nybble.quant.config import LayerParams, QuantConfig  # noqa: E402
+from nybble.bench.report import print_table, write_json
+from nybble.kernels import get_attention_backend
+from nybble.kernels.interface import AttentionMetadata
+from nybble.models.linear import dense_linear_factory
+from nybble.models.llama import LlamaForCausalLM
+from nybble.quant.config import LayerParams, QuantConfig
 
 CUDA = torch.cuda.is_available()
 BLOCK = 16

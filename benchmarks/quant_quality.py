@@ -23,14 +23,19 @@ from transformers import AutoTokenizer
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from nybble.config import DEFAULT_MODEL, ModelConfig  # noqa: E402
-from nybble.kernels.reference_attention import TorchAttentionBackend  # noqa: E402
-from nybble.models.loader import LoadedModel, load_model  # noqa: E402
-from nybble.models.scoring import prefill_logits  # noqa: E402
-from nybble.quant.eval_ppl import (LogitsFn, greedy_agreement,  # noqa: E402
-                                   greedy_continuations, perplexity, split_paragraphs)
-from nybble.quant.linear import weight_bytes  # noqa: E402
-from nybble.quant.quantize import QuantizeOptions, quantize_model  # noqa: E402
+from nybble.config import DEFAULT_MODEL, ModelConfig
+from nybble.kernels.reference_attention import TorchAttentionBackend
+from nybble.models.loader import LoadedModel, load_model
+from nybble.models.scoring import prefill_logits
+from nybble.quant.eval_ppl import (
+    LogitsFn,
+    greedy_agreement,
+    greedy_continuations,
+    perplexity,
+    split_paragraphs,
+)
+from nybble.quant.linear import weight_bytes
+from nybble.quant.quantize import QuantizeOptions, quantize_model
 
 SHARED = os.environ.get("NYBBLE_SHARED", os.path.join(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))), "..", "shared"))
@@ -117,7 +122,7 @@ def main() -> int:
     rows = []
     for m in args.models:
         rows += run_model(m, heldout, calib, args)
-    print(f"\n| model | config | ppl | greedy agree | linear bytes | vs fp16 | quantized/skipped |")
+    print("\n| model | config | ppl | greedy agree | linear bytes | vs fp16 | quantized/skipped |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['model']} | {r['config']} | {r['perplexity']:.4f} | "

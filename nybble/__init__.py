@@ -15,8 +15,16 @@ from nybble.outputs import CompletionOutput, RequestOutput
 from nybble.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput",
-           "EngineConfig", "DEFAULT_MODEL", "__version__"]
+__all__ = [
+    "DEFAULT_MODEL",
+    "LLM",
+    "CompletionOutput",
+    "EngineConfig",
+    "LLMEngine",
+    "RequestOutput",
+    "SamplingParams",
+    "__version__",
+]
 
 if TYPE_CHECKING:
     from nybble.runtime.engine import LLMEngine

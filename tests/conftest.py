@@ -9,9 +9,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # with a server subprocess, OpenMP spin-waiting makes 2 threads ~50x slower than 1.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import pytest  # noqa: E402
+import pytest
 
-from nybble.config import DEFAULT_MODEL  # noqa: E402
+from nybble.config import DEFAULT_MODEL
 
 SHARED = os.environ.get("NYBBLE_SHARED") or os.path.normpath(
     os.path.join(os.path.dirname(__file__), "..", "..", "shared"))

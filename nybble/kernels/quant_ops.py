@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from nybble.kernels.reference_quant import (dequantize_awq, dequantize_gptq,
-                                            int8_w8a8_linear)
+from nybble.kernels.reference_quant import dequantize_awq, dequantize_gptq, int8_w8a8_linear
 
 
 def _use_triton(x: torch.Tensor) -> bool:

@@ -6,7 +6,7 @@ All functions work on plain ``nn.Linear`` modules (``weight [N, K]``) and a norm
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -89,7 +89,7 @@ def apply_scale(prev: nn.Module, linears: list[nn.Linear], s: torch.Tensor) -> N
         if prev.bias is not None:
             prev.bias.data.copy_((prev.bias.float() / s).to(prev.bias.dtype))
     else:
-        w = getattr(prev, "weight")
+        w = prev.weight
         w.data.copy_((w.float() / s).to(w.dtype))
         if getattr(prev, "bias", None) is not None:
             prev.bias.data.copy_((prev.bias.float() / s).to(prev.bias.dtype))

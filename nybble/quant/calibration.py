@@ -7,7 +7,8 @@ processed on the recorded hidden states of all calibration sequences at once
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn

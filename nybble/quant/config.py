@@ -20,8 +20,7 @@ from torch import nn
 
 from nybble.errors import UnsupportedModelError
 from nybble.models.linear import DenseLinear
-from nybble.quant.linear import (AWQLinear, CompressedPackedLinear, GPTQLinear,
-                                 Int8W8A8Linear)
+from nybble.quant.linear import AWQLinear, CompressedPackedLinear, GPTQLinear, Int8W8A8Linear
 
 logger = logging.getLogger(__name__)
 
@@ -161,7 +160,7 @@ class QuantConfig:
         for key, over in self.dynamic.items():
             if key.startswith("-:") and re.match(key[2:], prefix):
                 return None
-            pat = key[2:] if key.startswith("+:") else key
+            pat = key.removeprefix("+:")
             if not key.startswith("-:") and re.match(pat, prefix):
                 params = replace(params, **{k: v for k, v in over.items()
                                             if k in ("bits", "group_size", "sym", "desc_act")})

@@ -13,9 +13,13 @@ import torch
 from torch import nn
 
 from nybble.kernels import quant_ops
-from nybble.kernels.reference_quant import (default_g_idx, dequantize_awq,
-                                            dequantize_compressed_tensors, dequantize_gptq,
-                                            dequantize_int8_channel)
+from nybble.kernels.reference_quant import (
+    default_g_idx,
+    dequantize_awq,
+    dequantize_compressed_tensors,
+    dequantize_gptq,
+    dequantize_int8_channel,
+)
 from nybble.quant.packing import pack_factor
 
 

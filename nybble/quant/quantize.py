@@ -18,10 +18,15 @@ from torch import nn
 from tqdm import tqdm
 
 from nybble.quant import awq as awq_mod
-from nybble.quant.calibration import (BUILTIN_CALIB, attention_forward, calibration_ids,
-                                      capture_first_layer_inputs, record_inputs, run_layer)
-from nybble.quant.export import (awq_config, gptq_config, pack_awq, pack_gptq,
-                                 write_model_folder)
+from nybble.quant.calibration import (
+    BUILTIN_CALIB,
+    attention_forward,
+    calibration_ids,
+    capture_first_layer_inputs,
+    record_inputs,
+    run_layer,
+)
+from nybble.quant.export import awq_config, gptq_config, pack_awq, pack_gptq, write_model_folder
 from nybble.quant.gptq import GPTQResult, HessianAccumulator, gptq_quantize
 from nybble.quant.rtn import rtn_quantize
 

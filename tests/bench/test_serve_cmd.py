@@ -3,12 +3,7 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from tests.bench.helpers import bench_main, plot_module
-
-pytest.importorskip("nybble.server.cli", exc_type=ImportError)
-pytest.importorskip("nybble.runtime.llm", exc_type=ImportError)
 
 _RUN_FIELDS = {"request_rate", "max_concurrency", "completed", "failed", "duration_s",
                "total_input_tokens", "total_output_tokens", "requested_output_tokens",

@@ -3,11 +3,7 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from tests.bench.helpers import bench_main, plot_module
-
-pytest.importorskip("nybble.runtime.llm", exc_type=ImportError)
 
 _BACKEND_FIELDS = {"backend", "elapsed_s", "num_requests", "prompt_tokens", "output_tokens",
                    "num_steps", "kv_waste_mean", "kv_waste_peak", "extra", "requests_per_s",

@@ -36,7 +36,7 @@ def test_mixed_prefill_decode_batch(block_size: int, hq: int, hkv: int) -> None:
     num_blocks = 64
     cache = torch.zeros(2, num_blocks, block_size, hkv, d, dtype=torch.float64)
     perm = torch.randperm(num_blocks).tolist()
-    tables, qs, ks, vs, slots_new, new_q = [], [], [], [], [], []
+    tables, ks, vs, new_q = [], [], [], []
     for cached, new in plan:
         n = cached + new
         nb = (n + block_size - 1) // block_size

@@ -7,10 +7,10 @@ import os
 import pytest
 import torch
 
-from tests.conftest import SHARED
 from nybble.config import DEFAULT_MODEL
 from nybble.quant.hf_model import load_model
 from nybble.quant.quantize import QuantizeOptions, quantize_model
+from tests.conftest import SHARED
 
 FIX = os.path.join(SHARED, "fixtures", "quant")
 

@@ -12,12 +12,12 @@ import os
 import pytest
 import torch
 
-from tests.conftest import SHARED
 from nybble.errors import UnsupportedModelError
 from nybble.quant.config import load_quant_config
 from nybble.quant.hf_model import load_checkpoint_tensors, load_model
 from nybble.quant.linear import GPTQLinear, weight_bytes
 from nybble.quant.packing import AWQ_ORDER, pack_cols, pack_rows, unpack_cols, unpack_rows
+from tests.conftest import SHARED
 
 BASE = os.path.join(SHARED, "fixtures", "quant")
 DIRS = sorted(d for d in os.listdir(BASE) if d.startswith("tiny-llama-") and d != "tiny-llama-fp32")

@@ -5,8 +5,14 @@ import pytest
 import torch
 
 from nybble.kernels.reference_quant import dequantize_awq, dequantize_gptq
-from nybble.quant.packing import (AWQ_ORDER, AWQ_REVERSE_ORDER, pack_cols, pack_rows,
-                                  unpack_cols, unpack_rows)
+from nybble.quant.packing import (
+    AWQ_ORDER,
+    AWQ_REVERSE_ORDER,
+    pack_cols,
+    pack_rows,
+    unpack_cols,
+    unpack_rows,
+)
 
 
 def _i32(word: int) -> int:
