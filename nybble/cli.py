@@ -19,9 +19,17 @@ _SUBCOMMAND_MODULES = (
 )
 
 
+class _Parser(argparse.ArgumentParser):
+    """ArgumentParser whose help shows every flag's default (subcommands inherit the class)."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The full ``nybble`` argument parser with every subcommand."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="nybble",
         description="nybble: quantization-first LLM inference and serving engine.")
     parser.add_argument("--log-level", default="INFO",
@@ -39,7 +47,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: "
                         "%(message)s", datefmt="%H:%M:%S")
-    return int(args.func(args) or 0)
+    from nybble.errors import NybbleError
+
+    try:
+        return int(args.func(args) or 0)
+    except (NybbleError, ValueError, OSError) as e:
+        # NOTE: a user error (bad flag value, missing folder) gets one line, not a traceback;
+        # --log-level DEBUG shows the traceback.
+        if args.log_level == "DEBUG":
+            raise
+        print(f"nybble {args.command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

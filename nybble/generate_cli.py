@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 from nybble.engine_args import add_engine_args, engine_config_from_args
 
@@ -27,21 +26,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Generate and print; returns the exit code (2 on invalid input)."""
-    from nybble.errors import NybbleError
+    """Generate and print; returns the exit code (invalid input raises, and ``nybble``
+    turns that into one error line and exit code 2)."""
     from nybble.runtime.llm import LLM
     from nybble.sampling_params import SamplingParams
 
-    try:
-        params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p,
-                                top_k=args.top_k, min_p=args.min_p, seed=args.sample_seed,
-                                max_tokens=args.max_tokens, stop=args.stop,
-                                ignore_eos=args.ignore_eos)
-        llm = LLM.from_engine_config(engine_config_from_args(args))
-        outputs = llm.generate(args.prompts, params, use_tqdm=False)
-    except (NybbleError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, min_p=args.min_p, seed=args.sample_seed,
+                            max_tokens=args.max_tokens, stop=args.stop,
+                            ignore_eos=args.ignore_eos)
+    llm = LLM.from_engine_config(engine_config_from_args(args))
+    outputs = llm.generate(args.prompts, params, use_tqdm=False)
     for out in outputs:
         for sample in out.outputs:
             print((out.prompt or "") + sample.text)

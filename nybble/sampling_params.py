@@ -1,6 +1,7 @@
 """Sampling parameters, with vLLM's argument names and OpenAI's ranges."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from nybble.errors import InvalidRequestError
@@ -58,13 +59,13 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "an integer >= 1", self.n)
-        if self.temperature < 0:
-            raise bad("temperature", ">= 0", self.temperature)
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise bad("temperature", "a finite number >= 0", self.temperature)
         if not 0 < self.top_p <= 1:
             raise bad("top_p", "in (0, 1]", self.top_p)
         if self.top_k < -1:
             raise bad("top_k", "-1 (disabled) or >= 1", self.top_k)
-        if not 0 <= self.min_p <= 1:
+        if not 0 <= self.min_p <= 1:  # NOTE: NaN fails every comparison, so it is refused
             raise bad("min_p", "in [0, 1]", self.min_p)
         if self.max_tokens is not None and self.max_tokens < 1:
             raise bad("max_tokens", ">= 1", self.max_tokens)

@@ -55,6 +55,20 @@ class LoadedModel:
     linear_weight_bytes: int
 
 
+def check_model_dir(model_dir: str) -> None:
+    """Fail early, with a clear message, unless ``model_dir`` is a local model folder.
+
+    Raises:
+        UnsupportedModelError: no such folder, or no ``config.json`` in it.
+    """
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        what = "has no config.json" if os.path.isdir(model_dir) else "does not exist"
+        raise UnsupportedModelError(
+            f"model must be a local Hugging Face model folder (config.json, *.safetensors, "
+            f"tokenizer files), got {model_dir!r}, which {what}; nybble does not download "
+            f"from model hubs")
+
+
 def _weight_files(model_dir: str) -> list[str]:
     index = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.exists(index):
@@ -118,6 +132,7 @@ def load_model(cfg: ModelConfig, backend: AttentionBackend, device: torch.device
     """
     from nybble.quant.config import load_quant_config
 
+    check_model_dir(cfg.model)
     hf_config = AutoConfig.from_pretrained(cfg.model)
     with open(os.path.join(cfg.model, "config.json")) as f:
         raw_config = json.load(f)

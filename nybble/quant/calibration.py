@@ -33,7 +33,11 @@ def calibration_ids(tokenizer: Any, text: str, num_samples: int, seq_len: int,
     if num_samples < 1 or seq_len < 2:
         raise ValueError(f"num_samples must be >= 1 and seq_len >= 2, got {num_samples}, "
                          f"{seq_len}")
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    # NOTE: the whole text is tokenized once and cut into windows below, so the tokenizer's
+    # "longer than model_max_length" warning does not apply; encode through the backend.
+    ids = tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids \
+        if getattr(tokenizer, "is_fast", False) else \
+        tokenizer(text, add_special_tokens=False)["input_ids"]
     if not ids:
         raise ValueError("calibration text must contain at least one token, got none")
     body = seq_len - (bos_id is not None)

@@ -45,7 +45,11 @@ def _eval_ppl(args: argparse.Namespace) -> int:
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Add ``quantize`` and ``eval-ppl`` to the ``nybble`` command."""
-    q = subparsers.add_parser("quantize", help="quantize a model folder with RTN, GPTQ or AWQ")
+    q = subparsers.add_parser(
+        "quantize", help="quantize a model folder with RTN, GPTQ or AWQ",
+        description="Quantize a Hugging Face Llama-family folder layer by layer on calibration "
+                    "text and write a complete model folder in the GPTQ or AWQ format that "
+                    "`nybble serve` loads.")
     q.add_argument("model", help="source model folder (Hugging Face Llama)")
     q.add_argument("--method", choices=["rtn", "gptq", "awq"], required=True,
                    help="rtn: round to nearest; gptq: Frantar et al. 2023; awq: Lin et al. 2024")
@@ -64,7 +68,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     q.add_argument("--out", required=True, help="output model folder")
     q.set_defaults(func=_quantize)
 
-    e = subparsers.add_parser("eval-ppl", help="perplexity of a model on a text file")
+    e = subparsers.add_parser(
+        "eval-ppl", help="perplexity of a model on a text file",
+        description="Sliding-window perplexity of a model folder (fp or quantized, run by "
+                    "nybble's own model) on blank-line separated paragraphs of a text file.")
     e.add_argument("model", help="model folder (fp or quantized)")
     e.add_argument("--text", required=True, help="UTF-8 text, blank-line separated paragraphs")
     e.add_argument("--quantization", choices=["awq", "gptq", "compressed-tensors"],

@@ -19,7 +19,7 @@ from nybble.quant.gptq import GPTQResult
 from nybble.quant.packing import AWQ_ORDER, pack_cols, pack_rows
 
 _SKIP_COPY = ("config.json", "quantize_config.json", "quant_config.json",
-              "model.safetensors.index.json")
+              "model.safetensors.index.json", "README.md")
 
 
 def pack_gptq(res: GPTQResult, bits: int, v2: bool) -> dict[str, torch.Tensor]:
@@ -97,4 +97,4 @@ def write_model_folder(model: nn.Module, src_dir: str, out_dir: str,
         path = os.path.join(src_dir, fname)
         if (os.path.isfile(path) and fname not in _SKIP_COPY
                 and not fname.endswith(".safetensors")):
-            shutil.copy2(path, os.path.join(out_dir, fname))
+            shutil.copyfile(path, os.path.join(out_dir, fname))  # contents only, not modes

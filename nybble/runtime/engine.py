@@ -8,6 +8,7 @@ strings and reports cumulative :class:`RequestOutput` objects (vLLM's API).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +20,7 @@ from transformers import AutoTokenizer
 from nybble.config import EngineConfig
 from nybble.errors import InvalidRequestError
 from nybble.kernels import get_attention_backend
-from nybble.models.loader import load_model
+from nybble.models.loader import check_model_dir, load_model
 from nybble.outputs import RequestOutput
 from nybble.runtime.kv_cache import plan_kv_cache
 from nybble.runtime.model_runner import ModelRunner
@@ -80,6 +81,9 @@ class LLMEngine:
         self.config = config
         mc = config.model_config
         self.device = _resolve_device(mc.device)
+        check_model_dir(mc.model)
+        if mc.tokenizer is not None and not os.path.isdir(mc.tokenizer):
+            raise ValueError(f"tokenizer must be a local folder, got {mc.tokenizer!r}")
         self.tokenizer = AutoTokenizer.from_pretrained(mc.tokenizer or mc.model)
         backend = get_attention_backend(config.attention_backend, self.device)
         self.loaded = load_model(mc, backend, self.device)
@@ -140,8 +144,8 @@ class LLMEngine:
 
         Raises:
             InvalidRequestError: duplicate id, empty prompt, token ids out of the vocabulary,
-                prompt + ``max_tokens`` over ``max_model_len``, or a request larger than
-                the whole KV pool (``KVCacheExhaustedError``).
+                prompt + ``max_tokens`` over ``max_model_len``, ``n`` over ``max_num_seqs``,
+                or a request larger than the whole KV pool (``KVCacheExhaustedError``).
         """
         if request_id in self.requests:
             raise InvalidRequestError(f"request_id must be unique, got {request_id!r} twice")
@@ -153,6 +157,10 @@ class LLMEngine:
                 f"prompt length plus max_tokens must be <= max_model_len ({limit} tokens), got "
                 f"{len(ids)} prompt tokens + {max_tokens} max_tokens = "
                 f"{len(ids) + max_tokens}", param="max_tokens")
+        cap = self.config.scheduler_config.max_num_seqs
+        if params.n > cap:
+            raise InvalidRequestError(f"n must be <= {cap} (max_num_seqs: the samples of a "
+                                      f"request run in one batch), got {params.n}", param="n")
         stop_ids = list(params.stop_token_ids or [])
         if not params.ignore_eos:
             stop_ids += [t for t in self.loaded.eos_token_ids if t not in stop_ids]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from nybble.config import CacheConfig
@@ -83,7 +84,13 @@ def allocate_kv_cache(spec: KVCacheSpec, device: torch.device) -> list[torch.Ten
     """One zeroed ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` tensor per layer.
 
     NOTE: zeroed, not empty: masked-out slots are multiplied by a zero probability, and
-    uninitialised memory may hold NaN (0 * NaN = NaN).
+    uninitialised memory may hold NaN (0 * NaN = NaN). On CPU the zeros come from numpy's
+    calloc, whose pages the OS maps lazily: start-up does not touch the whole pool, and
+    resident memory grows with the blocks actually written.
     """
     shape = (2, spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    np_dtype = {torch.float32: np.float32, torch.float16: np.float16}.get(spec.dtype)
+    if device.type == "cpu" and np_dtype is not None:
+        return [torch.from_numpy(np.zeros(shape, dtype=np_dtype))
+                for _ in range(spec.num_layers)]
     return [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]

@@ -2,7 +2,9 @@
 
 Requests carry types only; value ranges are checked once, by :class:`SamplingParams`
 (``InvalidRequestError`` -> 400). Unknown request fields are ignored, as OpenAI clients send
-fields nybble does not use (``presence_penalty``, ``user``, ...).
+fields nybble does not use (``user``, ``metadata``, ...); the sampling controls nybble does not
+implement (penalties, ``logit_bias``, ``best_of`` > ``n``) are declared so that a non-default
+value is refused with a 400 instead of silently ignored.
 """
 from __future__ import annotations
 
@@ -38,6 +40,12 @@ class _SamplingFields(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # Not implemented: only their neutral values are accepted (see serving.sampling_params).
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -64,7 +72,7 @@ class ContentPart(_Request):
 class ChatMessage(_Request):
     """One chat message (``role`` and string or text-part ``content``)."""
 
-    role: str
+    role: Literal["system", "user", "assistant", "tool", "developer", "function"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
 

@@ -43,6 +43,18 @@ def sampling_params(req: _SamplingFields, max_tokens: int, logprobs: int | None,
     if logprobs is not None and logprobs > state.config.max_logprobs:
         raise InvalidRequestError(f"logprobs must be <= {state.config.max_logprobs}, "
                                   f"got {logprobs}", param="logprobs")
+    neutral = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+    for name, value in neutral.items():
+        got = getattr(req, name)
+        if got is not None and got != value:
+            raise InvalidRequestError(f"{name} is not supported by nybble: it must be {value} "
+                                      f"or absent, got {got}", param=name)
+    if req.logit_bias:
+        raise InvalidRequestError("logit_bias is not supported by nybble: it must be empty or "
+                                  f"absent, got {len(req.logit_bias)} entries", param="logit_bias")
+    if req.best_of is not None and req.best_of != req.n:
+        raise InvalidRequestError(f"best_of is not supported by nybble: it must equal n "
+                                  f"({req.n}) or be absent, got {req.best_of}", param="best_of")
     vocab = state.vocab_size
     if any(not 0 <= t < vocab for t in req.stop_token_ids or []):
         raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab}), "

@@ -16,3 +16,10 @@ def test_generate_prints_greedy_text(capsys) -> None:
 def test_generate_rejects_bad_max_tokens(capsys) -> None:
     assert main(["generate", "Hi", "--max-tokens", "0"]) == 2
     assert "max_tokens must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_missing_model_folder_is_one_clear_line(capsys) -> None:
+    assert main(["generate", "Hi", "--model", "/nonexistent/model"]) == 2
+    err = capsys.readouterr().err
+    assert "'/nonexistent/model', which does not exist" in err
+    assert "Traceback" not in err

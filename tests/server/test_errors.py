@@ -38,6 +38,15 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
      "temperature"),
     ("chat-unknown-model", "/v1/chat/completions", {**CHAT, "model": "nope"}, 404, "model"),
     ("stream-bad-param", "/v1/completions", {**OK_BODY, "stream": True, "n": -2}, 400, "n"),
+    ("n-over-max-num-seqs", "/v1/completions", {**OK_BODY, "n": 1000}, 400, "n"),
+    ("nan-temperature", "/v1/completions",
+     '{"model": "stories260k", "prompt": "Hi", "temperature": NaN}', 400, "temperature"),
+    ("presence-penalty", "/v1/completions", {**OK_BODY, "presence_penalty": 0.5}, 400,
+     "presence_penalty"),
+    ("best-of", "/v1/completions", {**OK_BODY, "best_of": 3}, 400, "best_of"),
+    ("logit-bias", "/v1/completions", {**OK_BODY, "logit_bias": {"5": 10}}, 400, "logit_bias"),
+    ("chat-unknown-role", "/v1/chat/completions",
+     {**CHAT, "messages": [{"role": "wizard", "content": "Hi"}]}, 400, "messages"),
 ]
 
 
