@@ -79,7 +79,7 @@ def check_prompt_ids(ids: Sequence[int], state: ServerState, param: str = "promp
     vocab = state.vocab_size
     bad = [t for t in ids if not 0 <= t < vocab]
     if bad:
-        raise InvalidRequestError(f"{param} token ids must be in [0, {vocab}), got {bad[:5]}",
+        raise InvalidRequestError(f"{param} must hold token ids in [0, {vocab}), got {bad[:5]}",
                                   param=param)
 
 
