@@ -19,11 +19,23 @@ _SUBCOMMAND_MODULES = (
 )
 
 
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Appends ``(default: X)`` to a flag's help unless the help already says its default,
+    the default is ``None`` (the help says what happens then) or the flag is a switch."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if ("default" in text or action.default in (None, argparse.SUPPRESS)
+                or isinstance(action.default, bool) or not action.option_strings):
+            return text
+        return text + " (default: %(default)s)"
+
+
 class _Parser(argparse.ArgumentParser):
     """ArgumentParser whose help shows every flag's default (subcommands inherit the class)."""
 
     def __init__(self, *args: object, **kwargs: object) -> None:
-        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        kwargs.setdefault("formatter_class", _DefaultsFormatter)
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
 
 

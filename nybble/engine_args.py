@@ -11,10 +11,14 @@ def _parse_bytes(text: str) -> int:
     units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6,
              "gb": 10**9, "b": 1}
     lower = text.strip().lower()
-    for suffix, mult in units.items():
-        if lower.endswith(suffix):
-            return int(float(lower[: -len(suffix)]) * mult)
-    return int(float(lower))
+    try:
+        for suffix, mult in units.items():
+            if lower.endswith(suffix):
+                return int(float(lower[: -len(suffix)]) * mult)
+        return int(float(lower))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be a size in bytes such as 268435456, 256MiB or 1GiB, got {text!r}") from None
 
 
 def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = False) -> None:

@@ -85,6 +85,9 @@ class LLMEngine:
         if mc.tokenizer is not None and not os.path.isdir(mc.tokenizer):
             raise ValueError(f"tokenizer must be a local folder, got {mc.tokenizer!r}")
         self.tokenizer = AutoTokenizer.from_pretrained(mc.tokenizer or mc.model)
+        # NOTE: the engine enforces max_model_len itself; the tokenizer's own limit would only
+        # log a misleading "indexing errors" warning for prompts that are then rejected.
+        self.tokenizer.model_max_length = 1 << 62
         backend = get_attention_backend(config.attention_backend, self.device)
         self.loaded = load_model(mc, backend, self.device)
         hf = self.loaded.hf_config

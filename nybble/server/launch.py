@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import socket
 import time
 
 import uvicorn
@@ -21,6 +22,9 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     """
     from nybble.runtime.engine import LLMEngine
 
+    # NOTE: bind before loading the model, so a busy port fails at once with one clear line,
+    # and the "serving ... at URL" line (logged at app start-up) comes only once it is bound.
+    sock = _bind(server_config.host, server_config.port)
     t0 = time.monotonic()
     engine = LLMEngine(engine_config)
     # NOTE: the engine logs the model, dtype, KV blocks and their bytes itself
@@ -30,8 +34,26 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
                             log_level=server_config.uvicorn_log_level,
                             timeout_graceful_shutdown=5)
     try:
-        uvicorn.Server(config).run()
+        uvicorn.Server(config).run(sockets=[sock])
     except KeyboardInterrupt:
         # NOTE: uvicorn shuts down gracefully on SIGINT, then re-raises the signal
         logger.info("server stopped")
     return 0
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """A listening-ready TCP socket bound to ``host:port``.
+
+    Raises:
+        OSError: the address is in use or cannot be bound (message names host and port).
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
+    sock.set_inheritable(True)
+    return sock

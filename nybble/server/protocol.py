@@ -46,6 +46,9 @@ class _SamplingFields(_Request):
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    suffix: str | None = None
 
 
 class CompletionRequest(_SamplingFields):

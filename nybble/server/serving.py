@@ -52,6 +52,16 @@ def sampling_params(req: _SamplingFields, max_tokens: int, logprobs: int | None,
     if req.logit_bias:
         raise InvalidRequestError("logit_bias is not supported by nybble: it must be empty or "
                                   f"absent, got {len(req.logit_bias)} entries", param="logit_bias")
+    if req.suffix:
+        raise InvalidRequestError(f"suffix is not supported by nybble: it must be empty or "
+                                  f"absent, got {req.suffix!r}", param="suffix")
+    if req.tools:
+        raise InvalidRequestError(f"tools are not supported by nybble: the list must be empty "
+                                  f"or absent, got {len(req.tools)} tools", param="tools")
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise InvalidRequestError(f"response_format must be {{'type': 'text'}} or absent (nybble "
+                                  f"has no guided decoding), got {req.response_format}",
+                                  param="response_format")
     if req.best_of is not None and req.best_of != req.n:
         raise InvalidRequestError(f"best_of is not supported by nybble: it must equal n "
                                   f"({req.n}) or be absent, got {req.best_of}", param="best_of")

@@ -45,6 +45,11 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
      "presence_penalty"),
     ("best-of", "/v1/completions", {**OK_BODY, "best_of": 3}, 400, "best_of"),
     ("logit-bias", "/v1/completions", {**OK_BODY, "logit_bias": {"5": 10}}, 400, "logit_bias"),
+    ("suffix", "/v1/completions", {**OK_BODY, "suffix": "The end."}, 400, "suffix"),
+    ("chat-tools", "/v1/chat/completions",
+     {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ("chat-json-mode", "/v1/chat/completions",
+     {**CHAT, "response_format": {"type": "json_object"}}, 400, "response_format"),
     ("chat-unknown-role", "/v1/chat/completions",
      {**CHAT, "messages": [{"role": "wizard", "content": "Hi"}]}, 400, "messages"),
 ]
@@ -104,3 +109,15 @@ def test_bad_requests_do_not_disturb_a_running_stream(server: Server,
                 assert c.post(path, json=bad).status_code == status
     t.join(timeout=120)
     assert texts == [expected]
+
+
+def test_busy_port_fails_fast_with_one_line(server: Server) -> None:
+    import subprocess
+    import sys
+
+    port = server.url.rsplit(":", 1)[1]
+    proc = subprocess.run([sys.executable, "-m", "nybble", "serve", "--port", port],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert f"cannot listen on 127.0.0.1:{port}" in proc.stderr
+    assert "serving" not in proc.stderr and "Traceback" not in proc.stderr
