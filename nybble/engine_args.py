@@ -33,7 +33,8 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
                             help="model folder (Hugging Face layout); default: the bundled "
                                  "stories260k model")
     parser.add_argument("--model", default=None,
-                        help=f"model folder (Hugging Face layout); default: {DEFAULT_MODEL}")
+                        help="model folder (Hugging Face layout); default: the bundled "
+                             "stories260k model (nybble.DEFAULT_MODEL)")
     parser.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model)")
     parser.add_argument("--dtype", default="auto",
                         choices=["auto", "float32", "float16", "bfloat16"],
