@@ -27,15 +27,15 @@ from nybble.config import DEFAULT_MODEL, ModelConfig
 from nybble.kernels.reference_attention import TorchAttentionBackend
 from nybble.models.loader import LoadedModel, load_model
 from nybble.models.scoring import prefill_logits
-from nybble.quant.eval_ppl import (
+from nybble.quant.linear import weight_bytes
+from nybble.quantize.driver import QuantizeOptions, quantize_model
+from nybble.quantize.eval_ppl import (
     LogitsFn,
     greedy_agreement,
     greedy_continuations,
     perplexity,
     split_paragraphs,
 )
-from nybble.quant.linear import weight_bytes
-from nybble.quant.quantize import QuantizeOptions, quantize_model
 
 SHARED = os.environ.get("NYBBLE_SHARED", os.path.join(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))), "..", "shared"))

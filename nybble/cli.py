@@ -14,7 +14,7 @@ import sys
 _SUBCOMMAND_MODULES = (
     "nybble.server.cli",      # serve
     "nybble.generate_cli",    # generate
-    "nybble.quant.cli",       # quantize, eval-ppl
+    "nybble.quantize.cli",    # quantize, eval-ppl
     "nybble.bench.cli",       # bench throughput | serve
 )
 

@@ -1,4 +1,7 @@
-"""Kernel dispatch: the only place that chooses between the torch and Triton backends."""
+"""Attention backend selection: :func:`get_attention_backend` picks the torch reference or the
+Triton kernels once, when the engine starts. Quantized GEMMs are dispatched per call instead,
+by the device of the activations, in :mod:`nybble.kernels.quant_ops`; the bit-packing layout
+both the kernels and the checkpoint formats read is :mod:`nybble.kernels.packing`."""
 from __future__ import annotations
 
 import torch

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from nybble.quant.packing import AWQ_ORDER, unpack_cols, unpack_rows
+from nybble.kernels.packing import AWQ_ORDER, unpack_cols, unpack_rows
 
 
 def _scale_mul(qz: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -166,6 +166,11 @@ def _tiled_configs() -> list[triton.Config]:
 
 
 _KEY = ["M_BUCKET", "N", "K", "BITS", "IS_AWQ", "HAS_GIDX", "GROUP_SIZE"]
+# NOTE: the split-K path accumulates with atomic_add into ``c``, so a launch is only right if
+# ``c`` starts at zero (the host allocates it zeroed). Autotuning, on the first call for a key,
+# launches every config several times into that same ``c``; those partial sums would pile up.
+# ``reset_to_zero`` makes Triton zero ``c`` before each benchmark launch and once more before
+# the real one. The tiled path overwrites ``c`` (tl.store), so it needs no reset.
 _small_m_kernel = triton.autotune(configs=_small_m_configs(), key=_KEY,
                                   reset_to_zero=["c_ptr"])(_quant_gemm_kernel)
 _tiled_kernel = triton.autotune(configs=_tiled_configs(), key=_KEY)(_quant_gemm_kernel)

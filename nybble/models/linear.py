@@ -75,29 +75,33 @@ class DenseLinear(nn.Module):
 
 
 class LinearFactory(Protocol):
-    """Builds the linear module for one (possibly fused) projection.
+    """Builds the linear module for one (possibly fused) projection, or says "stay dense".
 
     ``prefixes`` are the checkpoint module names of the shards in output order, e.g.
     ``["model.layers.0.self_attn.q_proj", "...k_proj", "...v_proj"]``; ``out_features`` the
-    matching shard widths. A quantization config returns a dense layer for modules it skips
-    (``modules_to_not_convert``, or tensors stored unquantized).
+    matching shard widths. A quantization config (``nybble.quant``, a layer below the models)
+    returns None for modules it skips (``modules_to_not_convert``, or tensors stored
+    unquantized); :func:`build_linear` then builds the :class:`DenseLinear` itself.
     """
 
     def __call__(self, prefixes: list[str], in_features: int, out_features: list[int],
-                 bias: bool, dtype: torch.dtype, device: torch.device) -> nn.Module:
+                 bias: bool, dtype: torch.dtype, device: torch.device) -> nn.Module | None:
         ...
 
 
 def dense_linear_factory(prefixes: list[str], in_features: int, out_features: list[int],
-                         bias: bool, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    """The :class:`LinearFactory` of an unquantized model."""
-    return DenseLinear(in_features, sum(out_features), bias, dtype, device)
+                         bias: bool, dtype: torch.dtype, device: torch.device) -> None:
+    """The :class:`LinearFactory` of an unquantized model: every projection stays dense."""
+    return None
 
 
 def build_linear(factory: LinearFactory, prefixes: list[str], in_features: int,
                  out_features: list[int], bias: bool, dtype: torch.dtype,
                  device: torch.device) -> nn.Module:
-    """Call ``factory`` and record ``shard_prefixes`` (the checkpoint names the loader fuses)."""
+    """The module ``factory`` builds, or a :class:`DenseLinear` when it says "stay dense"
+    (None); records ``shard_prefixes`` (the checkpoint names the loader fuses)."""
     module = factory(prefixes, in_features, out_features, bias, dtype, device)
+    if module is None:
+        module = DenseLinear(in_features, sum(out_features), bias, dtype, device)
     module.shard_prefixes = list(prefixes)
     return module

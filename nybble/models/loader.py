@@ -24,6 +24,7 @@ from nybble.kernels.interface import AttentionBackend
 from nybble.models.linear import dense_linear_factory
 from nybble.models.llama import LlamaForCausalLM
 from nybble.models.registry import projection_bias
+from nybble.quant.config import load_quant_config
 
 logger = logging.getLogger(__name__)
 
@@ -130,8 +131,6 @@ def load_model(cfg: ModelConfig, backend: AttentionBackend, device: torch.device
             quantization, or a checkpoint tensor whose shape does not fit.
         ValueError: ``max_model_len`` larger than the model's position limit.
     """
-    from nybble.quant.config import load_quant_config
-
     check_model_dir(cfg.model)
     hf_config = AutoConfig.from_pretrained(cfg.model)
     with open(os.path.join(cfg.model, "config.json")) as f:

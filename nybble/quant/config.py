@@ -1,4 +1,4 @@
-"""Detect and normalise a checkpoint's quantization config; build its linear layers.
+"""Detect and normalise a checkpoint's quantization config; build its quantized linear layers.
 
 Source: docs/quant-formats.md §2 (where the config lives, key synonyms, dispatch on
 ``quant_method``), §3.6 / §4.5 / §6.2 (fields). Supported: GPTQ (``gptq`` v1 and ``gptq_v2``,
@@ -19,7 +19,6 @@ import torch
 from torch import nn
 
 from nybble.errors import UnsupportedModelError
-from nybble.models.linear import DenseLinear
 from nybble.quant.linear import AWQLinear, CompressedPackedLinear, GPTQLinear, Int8W8A8Linear
 
 logger = logging.getLogger(__name__)
@@ -111,6 +110,15 @@ class LayerParams:
     sym: bool
     desc_act: bool
 
+    def group_size_for(self, in_features: int) -> int:
+        """The real group size of a layer ``in_features`` wide: ``group_size``, or
+        ``in_features`` for a per-channel config (``group_size == -1``, §1).
+
+        NOTE: the one place ``-1`` is resolved; the linear modules and kernels below only
+        ever see a positive group size.
+        """
+        return in_features if self.group_size == -1 else self.group_size
+
 
 @dataclass(frozen=True)
 class QuantConfig:
@@ -170,36 +178,37 @@ class QuantConfig:
         return params if (".layers." in f".{prefix}" or (is_head and self.lm_head)) else None
 
     def linear_factory(self, prefixes: list[str], in_features: int, out_features: list[int],
-                       bias: bool, dtype: torch.dtype, device: torch.device) -> nn.Module:
-        """Build the module of one (possibly fused) projection.
+                       bias: bool, dtype: torch.dtype, device: torch.device) -> nn.Module | None:
+        """Build the quantized module of one (possibly fused) projection, or return None when
+        the checkpoint stores it unquantized: "stay dense" (``nybble.models`` then builds its
+        dense layer; this package sits below the models and never builds one).
 
         Raises:
             UnsupportedModelError: shards differ in quantization, or a shape the format
                 cannot hold (e.g. an input width that is not a multiple of the group size).
         """
         per = [self.layer_params(p) for p in prefixes]
-        n = sum(out_features)
         if all(p is None for p in per):
-            return DenseLinear(in_features, n, bias, dtype, device)
+            return None
         if any(p != per[0] for p in per):
             raise UnsupportedModelError(
                 f"fused projection {prefixes} must have the same quantization in every shard, "
                 f"got {per}")
         p = per[0]
         assert p is not None
-        gs = in_features if p.group_size == -1 else p.group_size
+        n = sum(out_features)
+        gs = p.group_size_for(in_features)
         if in_features % gs or in_features % (32 // p.bits):
             raise UnsupportedModelError(
                 f"in_features of {prefixes[0]} must be a multiple of group_size {gs} and of "
                 f"{32 // p.bits}, got {in_features}")
         if self.method == "gptq":
-            return GPTQLinear(in_features, n, bias, dtype, device, p.bits, p.group_size,
+            return GPTQLinear(in_features, n, bias, dtype, device, p.bits, gs,
                               1 if self.fmt == "gptq" else 0, p.sym)
         if self.method == "awq":
-            return AWQLinear(in_features, n, bias, dtype, device, p.group_size)
+            return AWQLinear(in_features, n, bias, dtype, device, gs)
         if self.fmt == "pack-quantized":
-            return CompressedPackedLinear(in_features, n, bias, dtype, device, p.bits,
-                                          p.group_size, p.sym)
+            return CompressedPackedLinear(in_features, n, bias, dtype, device, p.bits, gs, p.sym)
         return Int8W8A8Linear(in_features, n, bias, dtype, device)
 
 

@@ -1,9 +1,12 @@
-"""Quantized linear modules (FusableLinear, see nybble/models/linear.py).
+"""Quantized linear modules. They satisfy the ``FusableLinear`` protocol that
+``nybble.models.linear`` declares structurally: this package sits below the models and does
+not import them.
 
 Buffers carry exactly the checkpoint names and shapes (docs/quant-formats.md §3.1, §4.1, §6.2),
 so the loader fuses q/k/v and gate/up by concatenating each tensor along ``output_dims[name]``
 (§5.1). All modules take ``x [..., in]`` and return ``[..., out]`` in ``x.dtype``; the sum of
-their buffer bytes is the real packed weight memory (:func:`weight_bytes`).
+their buffer bytes is the real packed weight memory (:func:`weight_bytes`). ``group_size`` is
+always the real, positive group size (the config resolves a per-channel ``-1``).
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import torch
 from torch import nn
 
 from nybble.kernels import quant_ops
+from nybble.kernels.packing import pack_factor
 from nybble.kernels.reference_quant import (
     default_g_idx,
     dequantize_awq,
@@ -20,7 +24,6 @@ from nybble.kernels.reference_quant import (
     dequantize_gptq,
     dequantize_int8_channel,
 )
-from nybble.quant.packing import pack_factor
 
 
 def weight_bytes(module: nn.Module) -> int:
@@ -42,6 +45,18 @@ class _QuantLinear(nn.Module):
         self.has_bias = bias
         self.device_ = torch.device(device)
         self.register_buffer("bias", None)
+
+    def _num_groups(self, group_size: int) -> int:
+        """``ceil(in_features / group_size)``.
+
+        Raises:
+            ValueError: ``group_size`` not positive (a per-channel ``-1`` is resolved to
+                ``in_features`` by :meth:`nybble.quant.config.LayerParams.group_size_for`).
+        """
+        if group_size <= 0:
+            raise ValueError(f"group_size must be a positive number of input features, got "
+                             f"{group_size}")
+        return -(-self.in_features // group_size)
 
     def _shapes(self) -> dict[str, tuple[int, ...]]:
         raise NotImplementedError
@@ -101,8 +116,7 @@ class GPTQLinear(_QuantLinear):
         self.bits, self.group_size = bits, group_size
         self.zero_offset, self.sym, self.dtype = zero_offset, sym, dtype
         self.pf = pack_factor(bits)
-        gs = in_features if group_size == -1 else group_size
-        self.num_groups = -(-in_features // gs)
+        self.num_groups = self._num_groups(group_size)
         self.act_order = False
         for name, shape in self._shapes().items():
             dt = torch.int32 if name != "scales" else torch.float16
@@ -151,7 +165,7 @@ class AWQLinear(_QuantLinear):
                  device: torch.device, group_size: int) -> None:
         super().__init__(in_features, out_features, bias, device)
         self.group_size, self.dtype = group_size, dtype
-        self.num_groups = in_features // (in_features if group_size == -1 else group_size)
+        self.num_groups = self._num_groups(group_size)
         for name, shape in self._shapes().items():
             dt = torch.int32 if name != "scales" else torch.float16
             self.register_buffer(name, torch.zeros(shape, dtype=dt, device=self.device_))
@@ -194,7 +208,7 @@ class CompressedPackedLinear(_QuantLinear):
         super().__init__(in_features, out_features, bias, device)
         self.bits, self.group_size, self.sym, self.dtype = bits, group_size, sym, dtype
         self.pf = pack_factor(bits)
-        self.num_groups = -(-in_features // (in_features if group_size == -1 else group_size))
+        self.num_groups = self._num_groups(group_size)
         self.register_buffer("weight_packed", torch.zeros(self._shapes()["weight_packed"],
                                                           dtype=torch.int32, device=self.device_))
         self.register_buffer("weight_scale", torch.zeros(self._shapes()["weight_scale"],

@@ -13,10 +13,11 @@ import pytest
 import torch
 
 from nybble.errors import UnsupportedModelError
+from nybble.kernels.packing import AWQ_ORDER, pack_cols, pack_rows, unpack_cols, unpack_rows
+from nybble.models.linear import build_linear
 from nybble.quant.config import load_quant_config
-from nybble.quant.hf_model import load_checkpoint_tensors, load_model
 from nybble.quant.linear import GPTQLinear, weight_bytes
-from nybble.quant.packing import AWQ_ORDER, pack_cols, pack_rows, unpack_cols, unpack_rows
+from nybble.quantize.hf_model import load_checkpoint_tensors, load_model
 from tests.conftest import SHARED
 
 BASE = os.path.join(SHARED, "fixtures", "quant")
@@ -153,6 +154,20 @@ def test_dynamic_skip_rule(tmp_path: str) -> None:
     assert qc.layer_params("model.layers.0.self_attn.q_proj").bits == 8
     assert qc.layer_params("model.layers.0.self_attn.k_proj").bits == 4
     assert qc.layer_params("lm_head") is None
-    dense = qc.linear_factory(["model.layers.0.mlp.up_proj"], 128, [256], False,
-                              torch.float32, torch.device("cpu"))
+    args = (["model.layers.0.mlp.up_proj"], 128, [256], False, torch.float32,
+            torch.device("cpu"))
+    assert qc.linear_factory(*args) is None  # "stay dense": the models build the layer
+    dense = build_linear(qc.linear_factory, *args)
     assert type(dense).__name__ == "DenseLinear"
+
+
+def test_per_channel_group_size_resolved_by_the_config() -> None:
+    d = "tiny-llama-gptq-4bit-perchannel"
+    qc = load_quant_config(os.path.join(BASE, d), _cfg(d))
+    assert qc is not None and qc.params.group_size == -1  # as the checkpoint says
+    mod = qc.linear_factory(["model.layers.0.mlp.down_proj"], 256, [128], False,
+                            torch.float32, torch.device("cpu"))
+    assert isinstance(mod, GPTQLinear)
+    assert (mod.group_size, mod.num_groups, tuple(mod.scales.shape)) == (256, 1, (1, 128))
+    with pytest.raises(ValueError, match="group_size must be a positive"):
+        GPTQLinear(256, 128, False, torch.float32, torch.device("cpu"), 4, -1, 1, True)

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from nybble.quant.gptq import GPTQResult
-from nybble.quant.qparams import dequantize_int, get_group_qparams, quantize_to_int
+from nybble.quantize.gptq import GPTQResult
+from nybble.quantize.qparams import dequantize_int, get_group_qparams, quantize_to_int
 
 
 def rtn_quantize(weight: torch.Tensor, bits: int, group_size: int, sym: bool,

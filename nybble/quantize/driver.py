@@ -17,8 +17,8 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from nybble.quant import awq as awq_mod
-from nybble.quant.calibration import (
+from nybble.quantize import awq as awq_mod
+from nybble.quantize.calibration import (
     BUILTIN_CALIB,
     attention_forward,
     calibration_ids,
@@ -26,9 +26,15 @@ from nybble.quant.calibration import (
     record_inputs,
     run_layer,
 )
-from nybble.quant.export import awq_config, gptq_config, pack_awq, pack_gptq, write_model_folder
-from nybble.quant.gptq import GPTQResult, HessianAccumulator, gptq_quantize
-from nybble.quant.rtn import rtn_quantize
+from nybble.quantize.export import (
+    awq_config,
+    gptq_config,
+    pack_awq,
+    pack_gptq,
+    write_model_folder,
+)
+from nybble.quantize.gptq import GPTQResult, HessianAccumulator, gptq_quantize
+from nybble.quantize.rtn import rtn_quantize
 
 logger = logging.getLogger(__name__)
 
@@ -150,7 +156,7 @@ def quantize_model(model_dir: str, out_dir: str, opts: QuantizeOptions,
     """
     from transformers import AutoTokenizer
 
-    from nybble.quant.hf_model import load_model
+    from nybble.quantize.hf_model import load_model
 
     model = load_model(model_dir, torch.float32)
     layers = model.model.layers

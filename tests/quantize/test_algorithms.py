@@ -5,12 +5,12 @@ import torch
 from torch import nn
 
 from nybble.kernels.reference_quant import dequantize_gptq
-from nybble.quant import awq
-from nybble.quant.export import pack_gptq
-from nybble.quant.gptq import HessianAccumulator, gptq_quantize
 from nybble.quant.linear import GPTQLinear
-from nybble.quant.qparams import get_group_qparams
-from nybble.quant.rtn import rtn_quantize
+from nybble.quantize import awq
+from nybble.quantize.export import pack_gptq
+from nybble.quantize.gptq import HessianAccumulator, gptq_quantize
+from nybble.quantize.qparams import get_group_qparams
+from nybble.quantize.rtn import rtn_quantize
 
 
 def _inputs(t: int, k: int, seed: int) -> torch.Tensor:

@@ -4,8 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nybble.kernels.reference_quant import dequantize_awq, dequantize_gptq
-from nybble.quant.packing import (
+from nybble.kernels.packing import (
     AWQ_ORDER,
     AWQ_REVERSE_ORDER,
     pack_cols,
@@ -13,6 +12,7 @@ from nybble.quant.packing import (
     unpack_cols,
     unpack_rows,
 )
+from nybble.kernels.reference_quant import dequantize_awq, dequantize_gptq
 
 
 def _i32(word: int) -> int:

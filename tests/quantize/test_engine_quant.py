@@ -1,5 +1,5 @@
 """Quantized folders through the engine (``nybble.LLM``): greedy tokens equal those of a
-transformers Llama carrying our quantized modules (nybble.quant.hf_model, the oracle)."""
+transformers Llama carrying our quantized modules (nybble.quantize.hf_model, the oracle)."""
 from __future__ import annotations
 
 import os
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from nybble.config import DEFAULT_MODEL
-from nybble.quant.hf_model import load_model
-from nybble.quant.quantize import QuantizeOptions, quantize_model
+from nybble.quantize.driver import QuantizeOptions, quantize_model
+from nybble.quantize.hf_model import load_model
 from tests.conftest import SHARED
 
 FIX = os.path.join(SHARED, "fixtures", "quant")

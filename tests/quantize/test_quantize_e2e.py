@@ -9,8 +9,8 @@ import torch
 
 from nybble.config import DEFAULT_MODEL
 from nybble.quant.config import load_quant_config
-from nybble.quant.hf_model import load_model
-from nybble.quant.quantize import QuantizeOptions, quantize_model
+from nybble.quantize.driver import QuantizeOptions, quantize_model
+from nybble.quantize.hf_model import load_model
 
 CASES = [("rtn", 4, 32, True), ("gptq", 4, 32, False), ("gptq", 8, 64, True),
          ("awq", 4, 32, False)]
@@ -61,7 +61,7 @@ def test_quantize_save_reload(tmp_path: str, fp_model: torch.nn.Module, method: 
 def test_cli_quantize_and_eval(tmp_path: str, capsys: pytest.CaptureFixture[str]) -> None:
     import argparse
 
-    from nybble.quant.cli import register
+    from nybble.quantize.cli import register
     p = argparse.ArgumentParser()
     register(p.add_subparsers())
     out = os.path.join(tmp_path, "q")

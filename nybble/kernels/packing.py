@@ -5,6 +5,10 @@ Pure functions with explicit ``bits``. Field ``i`` of a word is bits ``[bits*i, 
 patterns (shifts happen on an int64 view masked to 32 bits). Supported widths: 2, 4, 8 bits
 (``pf = 32 // bits`` values per word). 3-bit packing is not implemented.
 
+The one definition of the layouts: it sits on the kernels floor because the dequantization
+references read it, and the formats (``nybble.quant``) and exporters (``nybble.quantize``)
+above import it from here.
+
 Layouts built from these:
 * GPTQ ``qweight [K/pf, N]`` = :func:`pack_rows` of ``q [K, N]``; ``qzeros [G, N/pf]`` =
   :func:`pack_cols` (sequential order).

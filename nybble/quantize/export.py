@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from nybble.quant.gptq import GPTQResult
-from nybble.quant.packing import AWQ_ORDER, pack_cols, pack_rows
+from nybble.kernels.packing import AWQ_ORDER, pack_cols, pack_rows
+from nybble.quantize.gptq import GPTQResult
 
 _SKIP_COPY = ("config.json", "quantize_config.json", "quant_config.json",
               "model.safetensors.index.json", "README.md")

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from nybble.cli import main
 from nybble.config import DEFAULT_MODEL
-from nybble.quant.eval_ppl import hf_logits_fn, nybble_logits_fn, sequence_nll
+from nybble.quantize.eval_ppl import hf_logits_fn, nybble_logits_fn, sequence_nll
 
 TEXT = ("Once upon a time, there was a little girl named Lily. She loved to play outside.\n\n"
         "Tom and Sue went to the park. They saw a big dog. The dog was happy and ran to them.")

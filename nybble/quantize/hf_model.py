@@ -14,7 +14,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from nybble.models.linear import DenseLinear
 from nybble.quant.config import load_quant_config
 
 
@@ -71,7 +70,7 @@ def load_model(model_dir: str, dtype: torch.dtype = torch.float32,
                 continue
             new = qc.linear_factory([name], mod.in_features, [mod.out_features],
                                     mod.bias is not None, dtype, torch.device("cpu"))
-            if isinstance(new, DenseLinear):
+            if new is None:  # stays dense: the nn.Linear loads through load_state_dict
                 continue
             prefix = name + "."
             own = {k[len(prefix):]: tensors.pop(k) for k in list(tensors) if k.startswith(prefix)}

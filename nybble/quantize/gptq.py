@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nybble.quant.qparams import minmax_qparams
+from nybble.quantize.qparams import minmax_qparams
 
 
 class HessianAccumulator:
@@ -79,6 +79,12 @@ def gptq_quantize(weight: torch.Tensor, h: torch.Tensor, bits: int, group_size: 
     w, h = w[:, perm], h[perm][:, perm]
     damp = percdamp * torch.mean(torch.diag(h))
     idx = torch.arange(k)
+    # Frantar et al. §3 step 3, "Cholesky reformulation": quantizing column j and compensating
+    # on the columns after it needs row j of H_F^-1, the inverse Hessian of the columns not yet
+    # quantized, over its diagonal. The upper Cholesky factor U of H^-1 holds exactly these:
+    # U[j, j:] = H_F^-1[j, j:] / sqrt(H_F^-1[j, j]) (Cholesky performs the same sequential
+    # elimination), so one factorization replaces K rank-1 downdates of H^-1. Dampening keeps
+    # H positive definite.
     for attempt in range(10):
         try:
             hd = h.clone()
@@ -113,9 +119,15 @@ def gptq_quantize(weight: torch.Tensor, h: torch.Tensor, bits: int, group_size: 
             deq = scale * (q - zero)
             qint[:, j] = q.to(torch.int32)
             qcols[:, j] = deq
+            # Error feedback (the OBQ update, Frantar et al. eq. 2): the not-yet-quantized
+            # columns move by -(w_j - q_j) / H_F^-1[j, j] * H_F^-1[j, :], the change that
+            # minimises the growth of the layer's output error ||XW^T - XQ^T||^2 (GPTQ's
+            # objective) caused by rounding column j. With U's row that is err * U[j, j:].
             err = (col - deq) / u[j, j]
-            w1[:, i:] -= err.unsqueeze(1) * u[j, i1 + i:i2].unsqueeze(0)
+            w1[:, i:] -= err.unsqueeze(1) * u[j, i1 + i:i2].unsqueeze(0)  # inside the block
             err1[:, i] = err
+        # §3 step 2, "lazy batch-updates": the columns after this block receive the whole
+        # block's error feedback in one matmul instead of one rank-1 update per column.
         w[:, i2:] -= err1 @ u[i1:i2, i2:]
     inv = torch.argsort(perm)
     if group_size == -1:

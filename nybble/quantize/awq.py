@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from nybble.quant.qparams import fake_quantize, get_group_qparams
+from nybble.quantize.qparams import fake_quantize
 
 N_GRID = 20
 
@@ -139,7 +139,3 @@ def apply_clip(lin: nn.Linear, max_val: torch.Tensor, group_size: int) -> None:
     m = max_val.unsqueeze(2)
     lin.weight.data.copy_(torch.clamp(wg, -m, m).reshape(n, k).to(lin.weight.dtype))
 
-
-def awq_qparams(w: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """AWQ quantizer parameters of ``w [N, K]``: ``scale, zero [N, G]`` (§7.1)."""
-    return get_group_qparams(w, bits, group_size, sym=False, kind="awq")

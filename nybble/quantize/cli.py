@@ -9,7 +9,7 @@ logger = logging.getLogger(__name__)
 
 
 def _quantize(args: argparse.Namespace) -> int:
-    from nybble.quant.quantize import QuantizeOptions, quantize_model
+    from nybble.quantize.driver import QuantizeOptions, quantize_model
 
     text = None
     if args.calib:
@@ -32,7 +32,7 @@ def _quantize(args: argparse.Namespace) -> int:
 def _eval_ppl(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
-    from nybble.quant.eval_ppl import nybble_logits_fn, perplexity
+    from nybble.quantize.eval_ppl import nybble_logits_fn, perplexity
 
     logits_fn = nybble_logits_fn(args.model, args.quantization)
     tok = AutoTokenizer.from_pretrained(args.model)

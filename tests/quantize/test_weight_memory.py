@@ -9,7 +9,7 @@ import torch
 from nybble.config import ModelConfig
 from nybble.kernels.reference_attention import TorchAttentionBackend
 from nybble.models.loader import load_model
-from nybble.quant.quantize import QuantizeOptions, quantize_model
+from nybble.quantize.driver import QuantizeOptions, quantize_model
 from tests.conftest import SHARED
 
 STORIES3M = os.path.join(SHARED, "models", "stories3m")
