@@ -21,20 +21,18 @@ def _contracts() -> list[dict]:
         return tomllib.load(f)["tool"]["importlinter"]["contracts"]
 
 
-def _lint_imports(cwd: str, pythonpath: str | None = None) -> subprocess.CompletedProcess:
-    """``lint-imports`` with the repository's contracts, run in ``cwd``; ``pythonpath`` first
-    on the path decides which ``nybble`` package is analysed."""
-    env = dict(os.environ)
-    if pythonpath is not None:
-        env["PYTHONPATH"] = pythonpath
-    code = "import sys; from importlinter.cli import lint_imports_command; lint_imports_command()"
+def _lint_imports(cwd: str, pythonpath: str) -> subprocess.CompletedProcess:
+    """``lint-imports`` with the repository's contracts, run in ``cwd``; ``pythonpath`` (first
+    on the path) decides which ``nybble`` package is analysed."""
+    env = {**os.environ, "PYTHONPATH": pythonpath}
+    code = "from importlinter.cli import lint_imports_command; lint_imports_command()"
     return subprocess.run([sys.executable, "-c", code, "--no-cache", "--no-logo", PYPROJECT],
                           cwd=cwd, env=env, capture_output=True, text=True, check=False,
                           timeout=300)
 
 
 def test_import_contracts_hold() -> None:
-    proc = _lint_imports(ROOT)
+    proc = _lint_imports(ROOT, ROOT)
     assert proc.returncode == 0, f"lint-imports failed:\n{proc.stdout}\n{proc.stderr}"
     assert "0 broken" in proc.stdout
 
@@ -115,6 +113,18 @@ def cython_imports(source: str, package: str = "nybble.runtime") -> list[str]:
     return found
 
 
+def core_violations(sources: dict[str, str], allowed: set[str]) -> list[str]:
+    """``"file: module"`` for every torch module, and every nybble module not in ``allowed``,
+    that the Cython sources (file name -> text) import."""
+    bad = []
+    for fname, text in sorted(sources.items()):
+        for name in cython_imports(text):
+            top = name.split(".")[0]
+            if top == "torch" or (top == "nybble" and name not in allowed):
+                bad.append(f"{fname}: {name}")
+    return bad
+
+
 def test_cython_import_scanner() -> None:
     src = ('"""Docstring: import torch here would be prose.\nfrom nybble.models import x\n"""\n'
            "from libc.stdint cimport int32_t  # import torch in a comment\n"
@@ -126,6 +136,9 @@ def test_cython_import_scanner() -> None:
     assert cython_imports(src) == ["libc.stdint", "numpy", "numpy", "nybble.kernels",
                                    "nybble.runtime.batch", "nybble.runtime.sequence",
                                    "torch.nn"]
+    allowed = {"nybble.runtime.batch", "nybble.runtime.sequence"}
+    assert core_violations({"x.pyx": src}, allowed) == ["x.pyx: nybble.kernels",
+                                                         "x.pyx: torch.nn"]
 
 
 def test_cython_core_imports_no_torch_and_nothing_above_it() -> None:
@@ -135,12 +148,10 @@ def test_cython_core_imports_no_torch_and_nothing_above_it() -> None:
     (torch_free,) = [c for c in _contracts() if c["id"] == "torch-free-core"]
     assert torch_free["forbidden_modules"] == ["torch"]
     allowed = core | set(torch_free["source_modules"])
-    bad = []
+    sources = {}
     for fname in files:
         with open(os.path.join(RUNTIME, fname), encoding="utf-8") as f:
-            for name in cython_imports(f.read()):
-                top = name.split(".")[0]
-                if top == "torch" or (top == "nybble" and name not in allowed):
-                    bad.append(f"{fname}: {name}")
+            sources[fname] = f.read()
+    bad = core_violations(sources, allowed)
     assert not bad, ("the Cython core may import only torch-free modules pinned by the "
                      f"'torch-free-core' contract ({sorted(allowed)}), got {bad}")
