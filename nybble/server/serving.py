@@ -20,6 +20,7 @@ from pydantic import BaseModel
 
 from nybble.errors import InvalidRequestError
 from nybble.outputs import RequestOutput
+from nybble.runtime.async_engine import RequestStream
 from nybble.runtime.input_processor import ParamNames
 from nybble.sampling_params import SamplingParams
 from nybble.server.protocol import ChatMessage, _SamplingFields
@@ -130,7 +131,7 @@ async def serve(request: Request, state: ServerState, renderer: Renderer,
     return renderer.response(finals)
 
 
-async def _events(state: ServerState, renderer: Renderer, streams: list,
+async def _events(state: ServerState, renderer: Renderer, streams: list[RequestStream],
                   include_usage: bool) -> AsyncIterator[str]:
     """SSE: the preamble, one event per sample delta, optional usage, then ``[DONE]``; an
     error after the headers went out is reported in-band."""
