@@ -3,8 +3,9 @@
 ``EngineConfig`` composes :class:`ModelConfig`, :class:`CacheConfig` and
 :class:`SchedulerConfig`. Every field is validated at construction with a message that
 names the value received and the allowed range. Nothing mutates a config after it is built;
-values derived at start-up (the number of KV blocks, the EOS ids) live in
-``nybble.runtime.kv_cache.KVCacheSpec`` and ``nybble.models.ModelInfo``.
+values derived at start-up live elsewhere: the number of KV blocks in
+``nybble.runtime.kv_cache.KVCacheSpec``, the EOS ids and the model's dimensions
+(``nybble.models.shape.ModelShape``) in ``nybble.models.loader.LoadedModel``.
 """
 from __future__ import annotations
 
@@ -41,6 +42,8 @@ class ModelConfig:
         device: ``cpu``, ``cuda`` or ``auto`` (cuda when available).
         seed: seed of the global sampling generator (requests without their own seed).
         served_model_name: name reported by the API; default: the folder name.
+        max_logprobs: largest ``logprobs`` / ``top_logprobs`` a request may ask for
+            (vLLM's ``--max-logprobs``); the request gate also caps it at the vocabulary size.
     """
 
     model: str = DEFAULT_MODEL
@@ -51,6 +54,7 @@ class ModelConfig:
     device: str = "auto"
     seed: int = 0
     served_model_name: str | None = None
+    max_logprobs: int = 20
 
     def __post_init__(self) -> None:
         _check(self.dtype in _DTYPES, "dtype", f"one of {_DTYPES}", self.dtype)
@@ -58,6 +62,7 @@ class ModelConfig:
         _check(self.device in ("auto", "cpu", "cuda"), "device", "auto, cpu or cuda", self.device)
         _check(self.max_model_len is None or self.max_model_len >= 1,
                "max_model_len", ">= 1", self.max_model_len)
+        _check(self.max_logprobs >= 0, "max_logprobs", ">= 0", self.max_logprobs)
 
     @property
     def name(self) -> str:

@@ -51,6 +51,8 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
                         help="where the model runs (auto: cuda when available)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the sampler for requests without their own seed")
+    parser.add_argument("--max-logprobs", type=int, default=20,
+                        help="largest logprobs / top_logprobs a request may ask for")
     parser.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32],
                         help="tokens per KV-cache block")
     parser.add_argument("--num-gpu-blocks", type=int, default=None,
@@ -82,7 +84,8 @@ def engine_config_from_args(args: argparse.Namespace,
     return EngineConfig.from_kwargs(
         model=model, tokenizer=args.tokenizer, dtype=args.dtype,
         max_model_len=args.max_model_len, quantization=args.quantization, device=args.device,
-        seed=args.seed, served_model_name=served_model_name, block_size=args.block_size,
+        seed=args.seed, served_model_name=served_model_name, max_logprobs=args.max_logprobs,
+        block_size=args.block_size,
         num_gpu_blocks=args.num_gpu_blocks, kv_cache_memory=args.kv_cache_memory,
         enable_prefix_caching=args.enable_prefix_caching,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,

@@ -16,7 +16,8 @@ class CompletionOutput:
             (``max_tokens`` or ``max_model_len``), ``"abort"``, or ``None`` while running.
         logprobs: per generated token, a dict ``{token_id: logprob}`` holding the sampled
             token and the top-``logprobs`` tokens; ``None`` when not requested.
-        stop_reason: the stop string or stop token id that ended the sample, if any.
+        stop_reason: the stop string or the ``stop_token_ids`` entry that ended the sample;
+            ``None`` otherwise, also when the model's EOS token ended it (OpenAI/vLLM).
     """
 
     index: int
@@ -25,10 +26,6 @@ class CompletionOutput:
     finish_reason: str | None = None
     logprobs: list[dict[int, float]] | None = None
     stop_reason: str | int | None = None
-
-    def finished(self) -> bool:
-        """Whether this sample has ended."""
-        return self.finish_reason is not None
 
 
 @dataclass

@@ -1,32 +1,56 @@
-"""Sampling parameters, with vLLM's argument names and OpenAI's ranges."""
+"""Sampling parameters, with vLLM's argument names and OpenAI's ranges.
+
+``SamplingParams`` only carries values (and normalises their spelling); every range is checked
+once, by the request gate (:mod:`nybble.runtime.input_processor`), when the request enters
+the engine, and ``max_tokens=None`` is resolved there too.
+"""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
-from nybble.errors import InvalidRequestError
+SAMPLE_SEED_STRIDE = 1_000_003
+"""Sample ``i`` of a request with ``seed`` draws from a generator seeded ``seed + i * stride``."""
+
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
+"""The seeds a ``torch.Generator`` accepts (a signed or an unsigned 64-bit integer)."""
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The generator seed of sample ``index`` of a request seeded ``seed``.
+
+    NOTE: each sample gets its own stream, so the ``n`` samples of one request differ.
+    """
+    return seed + index * SAMPLE_SEED_STRIDE
 
 
 @dataclass
 class SamplingParams:
     """How to sample one request's continuation (vLLM-compatible names).
 
+    The allowed values (checked by the request gate, ``InvalidRequestError`` naming the
+    parameter otherwise):
+
     Args:
-        n: number of parallel samples; they share the prompt's KV blocks. ``>= 1``.
-        temperature: ``0`` means greedy; ``>= 0``.
+        n: number of parallel samples; they share the prompt's KV blocks.
+            ``1 <= n <= max_num_seqs``.
+        temperature: ``0`` means greedy; finite and ``>= 0``.
         top_p: nucleus mass in ``(0, 1]``.
-        top_k: keep the ``k`` most likely tokens; ``-1`` (or ``0``) disables.
+        top_k: keep the ``k`` most likely tokens; ``-1`` (or ``0``) disables; else ``>= 1``.
         min_p: drop tokens whose probability is below ``min_p * max_prob``; ``[0, 1]``.
         seed: per-request seed: the same seed gives the same tokens whatever else is batched.
-        max_tokens: maximum number of generated tokens, ``>= 1``.
+            A 64-bit integer (see :data:`SEED_MIN`, :data:`SEED_MAX`; the seeds of samples
+            ``1..n-1``, :func:`sample_seed`, must stay in that range too).
+        max_tokens: maximum number of generated tokens, ``>= 1``; ``None``: the rest of the
+            context (``max_model_len`` minus the prompt). Prompt + ``max_tokens`` must fit
+            in ``max_model_len``.
         stop: strings that end generation; they are not included in the output text.
-        stop_token_ids: token ids that end generation (kept in ``token_ids``).
+            Non-empty strings.
+        stop_token_ids: token ids that end generation (kept in ``token_ids``); ids of the
+            vocabulary.
         ignore_eos: keep generating past the model's EOS ids.
-        logprobs: number of top log-probabilities returned per generated token (``None``: none).
+        logprobs: number of top log-probabilities returned per generated token (``None``:
+            none); ``0 <= logprobs <= min(max_logprobs, vocabulary size)``.
         skip_special_tokens: drop special tokens from the detokenized text.
-
-    Raises:
-        InvalidRequestError: a value is outside its allowed range.
     """
 
     n: int = 1
@@ -51,30 +75,6 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == 0:
             self.top_k = -1
-        self._validate()
-
-    def _validate(self) -> None:
-        def bad(name: str, allowed: str, value: object) -> InvalidRequestError:
-            return InvalidRequestError(f"{name} must be {allowed}, got {value!r}", param=name)
-
-        if not isinstance(self.n, int) or self.n < 1:
-            raise bad("n", "an integer >= 1", self.n)
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise bad("temperature", "a finite number >= 0", self.temperature)
-        if not 0 < self.top_p <= 1:
-            raise bad("top_p", "in (0, 1]", self.top_p)
-        if self.top_k < -1:
-            raise bad("top_k", "-1 (disabled) or >= 1", self.top_k)
-        if not 0 <= self.min_p <= 1:  # NOTE: NaN fails every comparison, so it is refused
-            raise bad("min_p", "in [0, 1]", self.min_p)
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise bad("max_tokens", ">= 1", self.max_tokens)
-        if self.logprobs is not None and self.logprobs < 0:
-            raise bad("logprobs", ">= 0", self.logprobs)
-        if any(not s for s in self.stop_list):
-            raise bad("stop", "non-empty strings", self.stop)
-        if any(t < 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids", "non-negative token ids", self.stop_token_ids)
 
     @property
     def greedy(self) -> bool:

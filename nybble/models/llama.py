@@ -15,20 +15,21 @@ from transformers import PretrainedConfig
 from nybble.kernels.interface import AttentionBackend, AttentionMetadata
 from nybble.models.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 from nybble.models.linear import LinearFactory, build_linear
+from nybble.models.shape import ModelShape
 
 
 class LlamaAttention(nn.Module):
     """Self-attention: fused qkv -> RoPE -> write KV cache -> paged attention -> o_proj."""
 
-    def __init__(self, config: PretrainedConfig, prefix: str, linear: LinearFactory,
+    def __init__(self, shape: ModelShape, prefix: str, linear: LinearFactory,
                  rope: RotaryEmbedding, backend: AttentionBackend, bias: tuple[bool, bool],
                  dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
-        hidden = config.hidden_size
+        hidden = shape.hidden_size
         qkv_bias, o_bias = bias
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or hidden // self.num_heads
+        self.num_heads = shape.num_heads
+        self.num_kv_heads = shape.num_kv_heads
+        self.head_dim = shape.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
@@ -80,14 +81,14 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm decoder block: ``h += attn(norm(h)); h += mlp(norm(h))``."""
 
-    def __init__(self, config: PretrainedConfig, index: int, linear: LinearFactory,
-                 rope: RotaryEmbedding, backend: AttentionBackend, bias: tuple[bool, bool],
-                 dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, config: PretrainedConfig, shape: ModelShape, index: int,
+                 linear: LinearFactory, rope: RotaryEmbedding, backend: AttentionBackend,
+                 bias: tuple[bool, bool], dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         prefix = f"model.layers.{index}"
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
-        self.self_attn = LlamaAttention(config, f"{prefix}.self_attn", linear, rope, backend,
+        self.self_attn = LlamaAttention(shape, f"{prefix}.self_attn", linear, rope, backend,
                                         bias, dtype, device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
         self.mlp = LlamaMLP(config, f"{prefix}.mlp", linear, dtype, device)
@@ -116,14 +117,13 @@ class LlamaForCausalLM(nn.Module):
                  device: torch.device, bias: tuple[bool, bool] = (False, False)) -> None:
         super().__init__()
         self.config = config
-        num_heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-        rope = RotaryEmbedding(config, head_dim, max_positions, device)
+        self.shape = ModelShape.from_hf_config(config)
+        rope = RotaryEmbedding(config, self.shape.head_dim, max_positions, device)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype,
                                          device=device)
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, linear, rope, backend, bias, dtype, device)
+            LlamaDecoderLayer(config, self.shape, i, linear, rope, backend, bias, dtype, device)
             for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))

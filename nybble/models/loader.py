@@ -24,6 +24,7 @@ from nybble.kernels.interface import AttentionBackend
 from nybble.models.linear import dense_linear_factory
 from nybble.models.llama import LlamaForCausalLM
 from nybble.models.registry import projection_bias
+from nybble.models.shape import ModelShape
 from nybble.quant.config import load_quant_config
 
 logger = logging.getLogger(__name__)
@@ -38,6 +39,7 @@ class LoadedModel:
     Attributes:
         model: the module, in eval mode, on ``device``.
         hf_config: the checkpoint's transformers config.
+        shape: the model's dimensions (layers, heads, KV heads, head_dim, vocabulary).
         dtype: activation/weight dtype of non-quantized parts.
         max_model_len: longest sequence the engine allows (tokens).
         eos_token_ids: stop ids from generation_config.json and config.json.
@@ -48,6 +50,7 @@ class LoadedModel:
 
     model: LlamaForCausalLM
     hf_config: PretrainedConfig
+    shape: ModelShape
     dtype: torch.dtype
     max_model_len: int
     eos_token_ids: tuple[int, ...]
@@ -152,7 +155,8 @@ def load_model(cfg: ModelConfig, backend: AttentionBackend, device: torch.device
     model.eval()
     linear_bytes = sum(_module_bytes(m) for n, m in model.named_modules()
                        if n.endswith(("_proj",)))
-    return LoadedModel(model=model, hf_config=hf_config, dtype=dtype, max_model_len=max_len,
+    return LoadedModel(model=model, hf_config=hf_config, shape=model.shape, dtype=dtype,
+                       max_model_len=max_len,
                        eos_token_ids=eos_token_ids(cfg.model, hf_config),
                        quant_description=quant.describe() if quant is not None else "none",
                        weight_bytes=_module_bytes(model), linear_weight_bytes=linear_bytes)

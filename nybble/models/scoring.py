@@ -31,10 +31,7 @@ def prefill_logits(loaded: LoadedModel, sequences: list[list[int]],
         raise ValueError(f"sequence lengths must be in [1, {loaded.max_model_len}], got {lens}")
     model = loaded.model
     device = device or model.embed_tokens.weight.device
-    cfg = loaded.hf_config
-    heads = cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    shape = loaded.shape
     bs = SCRATCH_BLOCK_SIZE
     blocks = [(n + bs - 1) // bs for n in lens]
     width = max(blocks)
@@ -52,8 +49,8 @@ def prefill_logits(loaded: LoadedModel, sequences: list[list[int]],
                              max_query_len=max(lens), max_seq_len=max(lens),
                              is_decode_only=max(lens) == 1)
     dtype = model.embed_tokens.weight.dtype
-    caches = [torch.zeros(2, sum(blocks), bs, kv_heads, head_dim, dtype=dtype, device=device)
-              for _ in range(cfg.num_hidden_layers)]
+    caches = [torch.zeros(2, sum(blocks), bs, shape.num_kv_heads, shape.head_dim, dtype=dtype,
+                          device=device) for _ in range(shape.num_layers)]
     ids = torch.tensor([t for s in sequences for t in s], dtype=torch.int64, device=device)
     hidden = model(ids, pos.to(device), caches, meta)
     return list(model.compute_logits(hidden).float().split(lens))

@@ -11,8 +11,9 @@ Threading model (the event loop never blocks on a model step):
   With no work it sleeps on the condition.
 - Each request's cumulative ``RequestOutput`` snapshots go to its ``asyncio.Queue`` through
   ``loop.call_soon_threadsafe``; :class:`RequestStream` is the handler's async iterator.
-- A failing ``add_request`` (bad parameters) fails only that request's future. A failing
-  ``step()`` fails the streams in flight and aborts them; the thread keeps running.
+- Requests arrive already checked by the engine's request gate (``engine.input_processor``,
+  called on the caller's thread). A failing ``add_request`` fails only that request's future.
+  A failing ``step()`` fails the streams in flight and aborts them; the thread keeps running.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from nybble.outputs import RequestOutput
 
 if TYPE_CHECKING:
     from nybble.runtime.engine import LLMEngine
-    from nybble.sampling_params import SamplingParams
+    from nybble.runtime.messages import EngineCoreRequest
 
 logger = logging.getLogger(__name__)
 
@@ -149,22 +150,24 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive()
 
     # ---- API for the event loop -----------------------------------------------------------
-    async def add_request(self, request_id: str, prompt: str | list[int],
-                          params: SamplingParams,
-                          arrival_time: float | None = None) -> RequestStream:
-        """Submit a request; returns its stream once the engine has accepted it.
+    async def add_request(self, request: EngineCoreRequest,
+                          prompt: str | None = None) -> RequestStream:
+        """Submit a request the engine's gate has processed (``engine.input_processor``, on
+        the caller's thread); returns its stream once the engine has accepted it.
 
         Args:
-            arrival_time: ``time.monotonic()`` when the HTTP request arrived (seconds), so
-                TTFT and queue time include tokenization.
+            request: its ``arrival_time`` is when the HTTP request arrived, so TTFT and queue
+                time include tokenization.
+            prompt: the prompt's text, if it had one.
 
         Raises:
             InvalidRequestError: the engine rejected the request (its message is kept).
         """
+        request_id = request.request_id
         stream = RequestStream(request_id, asyncio.get_running_loop())
 
         def add() -> None:
-            self.engine.add_request(request_id, prompt, params, arrival_time=arrival_time)
+            self.engine.add_core_request(request, prompt)
             self._tracked[request_id] = _Tracked(stream)
 
         await asyncio.wrap_future(self._submit(add))

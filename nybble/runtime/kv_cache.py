@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from nybble.config import CacheConfig
+from nybble.models.shape import ModelShape
 
 DEFAULT_CPU_KV_BYTES = 256 << 20  # 256 MiB
 GPU_MEMORY_FRACTION = 0.9
@@ -22,7 +23,7 @@ class KVCacheSpec:
     """The KV pool derived at start-up.
 
     Attributes:
-        num_layers, num_kv_heads, head_dim: model geometry.
+        num_layers, num_kv_heads, head_dim: the model's geometry (from its ``ModelShape``).
         dtype: cache dtype (the model's activation dtype).
         block_size: tokens per block.
         num_blocks: blocks in the pool.
@@ -46,14 +47,9 @@ class KVCacheSpec:
         """Bytes of the whole pool."""
         return self.bytes_per_block * self.num_blocks
 
-    @property
-    def num_tokens(self) -> int:
-        """Token slots in the pool."""
-        return self.num_blocks * self.block_size
 
-
-def plan_kv_cache(cache: CacheConfig, num_layers: int, num_kv_heads: int, head_dim: int,
-                  dtype: torch.dtype, device: torch.device) -> KVCacheSpec:
+def plan_kv_cache(cache: CacheConfig, shape: ModelShape, dtype: torch.dtype,
+                  device: torch.device) -> KVCacheSpec:
     """Turn ``--num-gpu-blocks`` or a byte budget into a :class:`KVCacheSpec`.
 
     Without either flag the budget is 256 MiB on CPU, or 90% of the free device memory
@@ -62,7 +58,8 @@ def plan_kv_cache(cache: CacheConfig, num_layers: int, num_kv_heads: int, head_d
     Raises:
         ValueError: the budget is smaller than one block.
     """
-    spec = KVCacheSpec(num_layers, num_kv_heads, head_dim, dtype, cache.block_size, 1)
+    geometry = (shape.num_layers, shape.num_kv_heads, shape.head_dim)
+    spec = KVCacheSpec(*geometry, dtype, cache.block_size, 1)
     if cache.num_gpu_blocks is not None:
         num_blocks = cache.num_gpu_blocks
     else:
@@ -77,7 +74,7 @@ def plan_kv_cache(cache: CacheConfig, num_layers: int, num_kv_heads: int, head_d
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory must hold at least one block "
                              f"({spec.bytes_per_block} bytes), got {budget} bytes")
-    return KVCacheSpec(num_layers, num_kv_heads, head_dim, dtype, cache.block_size, num_blocks)
+    return KVCacheSpec(*geometry, dtype, cache.block_size, num_blocks)
 
 
 def allocate_kv_cache(spec: KVCacheSpec, device: torch.device) -> list[torch.Tensor]:

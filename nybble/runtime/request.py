@@ -1,14 +1,13 @@
-"""The Python side of a request: text, parameters, per-sample output state, timestamps.
+"""The output side of a request: text, parameters, per-sample output state, timestamps.
 
-Only integers cross into the Cython scheduler; everything here stays outside the step loop's
-hot path.
+The engine core never sees this object (it deals in token ids); the output processor keeps
+one per request to detokenize, apply stop strings and build :class:`RequestOutput` snapshots.
 """
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
 
-import torch
 from transformers import PreTrainedTokenizerBase
 
 from nybble.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -40,7 +39,6 @@ class Sample:
 
     output: CompletionOutput
     detok: IncrementalDetokenizer
-    generator: torch.Generator | None
 
 
 @dataclass
@@ -51,8 +49,7 @@ class Request:
         request_id: the caller's id.
         prompt: text, or ``None`` when token ids were given.
         prompt_token_ids: the prompt's ids.
-        params: sampling parameters.
-        first_seq_id: scheduler id of sample 0; sample ``i`` is ``first_seq_id + i``.
+        params: sampling parameters (``max_tokens`` resolved by the request gate).
         samples: per-sample state.
         metrics: timestamps (seconds, ``time.monotonic()``).
     """
@@ -61,7 +58,6 @@ class Request:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
-    first_seq_id: int
     samples: list[Sample]
     metrics: RequestMetrics
     num_finished: int = 0
@@ -69,22 +65,15 @@ class Request:
 
     @classmethod
     def create(cls, request_id: str, prompt: str | None, prompt_ids: list[int],
-               params: SamplingParams, first_seq_id: int, arrival_time: float,
-               tokenizer: PreTrainedTokenizerBase, device: torch.device) -> Request:
-        """Build the request and its ``n`` samples (seeded generators when ``seed`` is set)."""
-        samples = []
-        for i in range(params.n):
-            gen = None
-            if params.seed is not None and not params.greedy:
-                # NOTE: sample i of a seeded request gets its own stream, so n samples differ.
-                gen = torch.Generator(device=device).manual_seed(params.seed + i * 1_000_003)
-            samples.append(Sample(
-                output=CompletionOutput(index=i, logprobs=[] if params.logprobs is not None
-                                        else None),
-                detok=IncrementalDetokenizer(tokenizer, prompt_ids, params.stop_list,
-                                             params.skip_special_tokens),
-                generator=gen))
-        return cls(request_id, prompt, prompt_ids, params, first_seq_id, samples,
+               params: SamplingParams, arrival_time: float,
+               tokenizer: PreTrainedTokenizerBase) -> Request:
+        """Build the request and the output state of its ``n`` samples."""
+        samples = [Sample(output=CompletionOutput(index=i, logprobs=[] if params.logprobs
+                                                  is not None else None),
+                          detok=IncrementalDetokenizer(tokenizer, prompt_ids, params.stop_list,
+                                                       params.skip_special_tokens))
+                   for i in range(params.n)]
+        return cls(request_id, prompt, prompt_ids, params, samples,
                    RequestMetrics(arrival_time=arrival_time))
 
     @property

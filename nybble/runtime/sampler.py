@@ -2,8 +2,8 @@
 
 Sampling uses the exponential-race trick (``argmax(p / E)`` with ``E ~ Exp(1)``), which draws
 exactly from ``p`` and lets each row use its own ``torch.Generator``: a request with a seed
-gets the same tokens whatever else is in the batch. Rows without a seed share the engine's
-generator. Top-p follows Holtzman et al. 2020; min-p keeps tokens with
+gets the same tokens whatever else is in the batch. Rows without a seed share the model
+runner's generator. The per-row parameters come from the runner's ``SamplingTable``. Top-p follows Holtzman et al. 2020; min-p keeps tokens with
 ``p >= min_p * max(p)`` (Nguyen et al. 2024).
 """
 from __future__ import annotations

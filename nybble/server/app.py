@@ -37,10 +37,11 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     metrics = ServerMetrics(model_name)
     async_engine = AsyncEngine(engine, observer=metrics.observe, log_stats=config.log_stats,
                                stats_interval_s=config.stats_interval_s)
-    state = ServerState(engine=async_engine, config=config, model_name=model_name,
+    state = ServerState(engine=async_engine, input_processor=engine.input_processor,
+                        config=config, model_name=model_name,
                         model_path=engine.config.model_config.model,
                         tokenizer=engine.tokenizer, max_model_len=engine.max_model_len,
-                        vocab_size=engine.vocab_size, metrics=metrics)
+                        metrics=metrics)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

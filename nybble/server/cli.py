@@ -24,8 +24,6 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         help="uvicorn's log level (info logs every request)")
     parser.add_argument("--stats-interval", type=float, default=5.0,
                         help="seconds between stats lines in the log while busy")
-    parser.add_argument("--max-logprobs", type=int, default=20,
-                        help="largest logprobs / top_logprobs a request may ask for")
 
 
 def register(subparsers: Any) -> None:

@@ -24,7 +24,6 @@ class ServerConfig:
         uvicorn_log_level: uvicorn's log level (``info`` logs each request).
         stats_interval_s: seconds between stats lines in the log while busy.
         log_stats: log the periodic stats line.
-        max_logprobs: largest ``logprobs`` / ``top_logprobs`` a request may ask for.
 
     Raises:
         ValueError: a value outside its range.
@@ -37,7 +36,6 @@ class ServerConfig:
     uvicorn_log_level: str = "info"
     stats_interval_s: float = 5.0
     log_stats: bool = True
-    max_logprobs: int = 20
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -47,8 +45,6 @@ class ServerConfig:
                              f"got {self.uvicorn_log_level!r}")
         if self.stats_interval_s <= 0:
             raise ValueError(f"stats_interval_s must be > 0, got {self.stats_interval_s!r}")
-        if self.max_logprobs < 0:
-            raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs!r}")
 
     @property
     def url(self) -> str:
@@ -63,4 +59,4 @@ class ServerConfig:
                    api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
                    uvicorn_log_level=args.uvicorn_log_level,
                    stats_interval_s=args.stats_interval,
-                   log_stats=not args.disable_log_stats, max_logprobs=args.max_logprobs)
+                   log_stats=not args.disable_log_stats)

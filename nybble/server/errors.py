@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nybble.errors import InvalidRequestError, ModelNotFoundError, NybbleError
-from nybble.server.protocol import ErrorInfo, ErrorResponse
+from nybble.server.responses import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,10 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
             return f"malformed JSON body: {err.get('msg', '')}", None
         where = ".".join(loc) or "body"
         param = param or (loc[0] if loc else None)
-        parts.append(f"{where}: {err.get('msg', 'invalid value')}")
+        if err.get("type") == "value_error" and "error" in err.get("ctx", {}):
+            parts.append(str(err["ctx"]["error"]))  # NOTE: our validators name the field
+        else:
+            parts.append(f"{where}: {err.get('msg', 'invalid value')}")
     return "invalid request: " + "; ".join(parts), param
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from nybble.server.protocol import (
+from nybble.server.responses import (
     ChatLogProbs,
     ChatTokenLogprob,
     CompletionLogProbs,

@@ -1,17 +1,19 @@
-"""Pydantic models of the OpenAI-compatible API: requests, responses, stream chunks, errors.
+"""Pydantic models of the OpenAI-compatible API's requests (answers: ``responses.py``).
 
-Requests carry types only; value ranges are checked once, by :class:`SamplingParams`
-(``InvalidRequestError`` -> 400). Unknown request fields are ignored, as OpenAI clients send
-fields nybble does not use (``user``, ``metadata``, ...); the sampling controls nybble does not
-implement (penalties, ``logit_bias``, ``best_of`` > ``n``) are declared so that a non-default
-value is refused with a 400 instead of silently ignored.
+Requests carry types and shapes only: every value range (temperature, ``max_tokens`` against
+the context, ``logprobs``, ``seed``, token ids...) is checked once, by the engine's request
+gate (:mod:`nybble.runtime.input_processor`; ``InvalidRequestError`` -> 400). Unknown request
+fields are ignored, as OpenAI clients send fields nybble does not use (``user``,
+``metadata``, ...); the fields nybble does not implement (penalties, ``logit_bias``,
+``best_of`` other than ``n``, ``suffix``, ``tools``, non-text ``response_format``, ``echo`` with
+``logprobs``) are declared, and the validators below refuse a non-neutral value with a 400
+naming the field instead of silently ignoring it: this is the one place such refusals live.
 """
 from __future__ import annotations
 
-import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
 
 class _Request(BaseModel):
@@ -40,7 +42,7 @@ class _SamplingFields(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    # Not implemented: only their neutral values are accepted (see serving.sampling_params).
+    # Not implemented: only their neutral values are accepted (the validators below).
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
@@ -49,6 +51,41 @@ class _SamplingFields(_Request):
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     suffix: str | None = None
+
+    @field_validator("presence_penalty", "frequency_penalty", "repetition_penalty")
+    @classmethod
+    def _neutral_penalty(cls, value: float | None, info: ValidationInfo) -> float | None:
+        neutral = 1.0 if info.field_name == "repetition_penalty" else 0.0
+        if value is not None and value != neutral:
+            raise ValueError(f"{info.field_name} is not supported by nybble: it must be "
+                             f"{neutral} or absent, got {value}")
+        return value
+
+    @field_validator("logit_bias", "tools", "suffix")
+    @classmethod
+    def _empty(cls, value: Any, info: ValidationInfo) -> Any:
+        if value:
+            got = repr(value) if isinstance(value, str) else f"{len(value)} entries"
+            raise ValueError(f"{info.field_name} is not supported by nybble: it must be empty "
+                             f"or absent, got {got}")
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, value: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n")
+        if value is not None and n is not None and value != n:
+            raise ValueError(f"best_of is not supported by nybble: it must equal n ({n}) or "
+                             f"be absent, got {value}")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_format(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value and value.get("type", "text") != "text":
+            raise ValueError(f"response_format must be {{'type': 'text'}} or absent (nybble "
+                             f"has no guided decoding), got {value}")
+        return value
 
 
 class CompletionRequest(_SamplingFields):
@@ -61,8 +98,23 @@ class CompletionRequest(_SamplingFields):
 
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
-    echo: bool = False
     logprobs: int | None = None
+    echo: bool = False    # NOTE: after logprobs, so that its validator sees logprobs
+
+    @field_validator("prompt")
+    @classmethod
+    def _some_prompt(cls, value: Any) -> Any:
+        if isinstance(value, list) and not value:
+            raise ValueError("prompt must be non-empty, got []")
+        return value
+
+    @field_validator("echo")
+    @classmethod
+    def _no_prompt_logprobs(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("logprobs") is not None:
+            raise ValueError("echo with logprobs is not supported (nybble does not compute "
+                             "prompt logprobs)")
+        return value
 
 
 class ContentPart(_Request):
@@ -97,6 +149,20 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
 
+    @field_validator("messages")
+    @classmethod
+    def _some_messages(cls, value: list[ChatMessage]) -> list[ChatMessage]:
+        if not value:
+            raise ValueError("messages must be a non-empty list, got []")
+        return value
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs=true")
+        return value
+
 
 class TokenizeRequest(_Request):
     """``POST /tokenize`` (vLLM): either ``prompt`` or chat ``messages``."""
@@ -113,161 +179,3 @@ class DetokenizeRequest(_Request):
 
     model: str | None = None
     tokens: list[int]
-
-
-# ---- responses ------------------------------------------------------------------------------
-def _now() -> int:
-    return int(time.time())
-
-
-class UsageInfo(BaseModel):
-    """Token counts of a response (prompt counted once per prompt, not per sample)."""
-
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-
-
-class CompletionLogProbs(BaseModel):
-    """Completions-style logprobs of one choice (parallel lists, one entry per token)."""
-
-    tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-    text_offset: list[int] = Field(default_factory=list)
-
-
-class CompletionChoice(BaseModel):
-    """One choice of a completion (or of a completion stream chunk)."""
-
-    index: int
-    text: str
-    logprobs: CompletionLogProbs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = None
-
-
-class CompletionResponse(BaseModel):
-    """``text_completion`` response and ``text_completion`` stream chunks."""
-
-    id: str
-    object: str = "text_completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-
-
-class TopLogprob(BaseModel):
-    """One alternative token in chat-format logprobs."""
-
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class ChatTokenLogprob(TopLogprob):
-    """One generated token in chat-format logprobs, with its top alternatives."""
-
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-class ChatLogProbs(BaseModel):
-    """Chat-format logprobs of one choice."""
-
-    content: list[ChatTokenLogprob] | None = None
-
-
-class AssistantMessage(BaseModel):
-    """The generated message of a chat choice."""
-
-    role: str = "assistant"
-    content: str
-
-
-class ChatChoice(BaseModel):
-    """One choice of a chat completion."""
-
-    index: int
-    message: AssistantMessage
-    logprobs: ChatLogProbs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    """``chat.completion`` response."""
-
-    id: str
-    object: str = "chat.completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[ChatChoice]
-    usage: UsageInfo
-
-
-class DeltaMessage(BaseModel):
-    """Incremental message of a chat stream chunk (role only in a choice's first chunk)."""
-
-    role: str | None = None
-    content: str | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        # NOTE: OpenAI omits absent delta fields instead of sending null
-        return {k: v for k, v in handler(self).items() if v is not None}
-
-
-class ChatStreamChoice(BaseModel):
-    """One choice of a chat stream chunk."""
-
-    index: int
-    delta: DeltaMessage
-    logprobs: ChatLogProbs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    """``chat.completion.chunk``; the usage chunk has empty ``choices``."""
-
-    id: str
-    object: str = "chat.completion.chunk"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[ChatStreamChoice]
-    usage: UsageInfo | None = None
-
-
-class ModelCard(BaseModel):
-    """One entry of ``GET /v1/models``."""
-
-    id: str
-    object: str = "model"
-    created: int = Field(default_factory=_now)
-    owned_by: str = "nybble"
-    root: str | None = None
-    max_model_len: int | None = None
-
-
-class ModelList(BaseModel):
-    """``GET /v1/models`` response."""
-
-    object: str = "list"
-    data: list[ModelCard]
-
-
-class ErrorInfo(BaseModel):
-    """The ``error`` object of an OpenAI error body."""
-
-    message: str
-    type: str
-    param: str | None = None
-    code: str | int | None = None
-
-
-class ErrorResponse(BaseModel):
-    """OpenAI error body: ``{"error": {"message", "type", "param", "code"}}``."""
-
-    error: ErrorInfo
-
-    def body(self) -> dict[str, Any]:
-        """The JSON-ready dict."""
-        return self.model_dump()

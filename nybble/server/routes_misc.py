@@ -11,9 +11,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 import nybble
 from nybble.errors import InvalidRequestError
 from nybble.server.auth import require_api_key
-from nybble.server.chat import render_chat
-from nybble.server.protocol import DetokenizeRequest, ModelCard, ModelList, TokenizeRequest
-from nybble.server.serving import check_prompt_ids
+from nybble.server.protocol import DetokenizeRequest, TokenizeRequest
+from nybble.server.responses import ModelCard, ModelList
+from nybble.server.serving import render_chat
 from nybble.server.state import get_state
 
 v1_router = APIRouter(dependencies=[Depends(require_api_key)])
@@ -53,6 +53,7 @@ async def tokenize(req: TokenizeRequest, request: Request) -> dict[str, Any]:
         raise InvalidRequestError("give exactly one of prompt and messages", param="prompt")
     if req.messages is not None:
         ids = render_chat(state, req.messages, req.add_generation_prompt)
+        state.input_processor.check_token_ids(ids, "messages")
     else:
         ids = list(state.tokenizer(req.prompt,
                                    add_special_tokens=req.add_special_tokens)["input_ids"])
@@ -69,8 +70,7 @@ async def detokenize(req: DetokenizeRequest, request: Request) -> dict[str, str]
     """
     state = get_state(request)
     state.check_model(req.model)
-    if req.tokens:
-        check_prompt_ids(req.tokens, state, param="tokens")
+    state.input_processor.check_token_ids(req.tokens, "tokens", allow_empty=True)
     return {"prompt": state.tokenizer.decode(req.tokens)}
 
 

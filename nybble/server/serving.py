@@ -1,30 +1,43 @@
-"""The core shared by completions and chat: parameters, length checks, submission, streams.
+"""The serving pipeline shared by completions and chat: gate, submit, stream or collect.
 
-The engine returns CUMULATIVE outputs; :class:`DeltaTracker` turns them into per-sample text
-and token deltas for streaming (by the previous text / token lengths of each output index).
+A handler turns its request into prompts (text or token ids), :class:`SamplingParams` and the
+API's parameter names, and hands them to :func:`serve` with a :class:`Renderer` that knows
+its endpoint's chunk and response shapes. :func:`serve` passes every prompt through the
+engine's request gate before anything is queued (a bad prompt queues nothing), submits them,
+then either streams SSE chunks or collects the final outputs; a client that goes away, or any
+error, aborts the unfinished requests so their KV blocks are freed.
 """
 from __future__ import annotations
 
-import asyncio
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from typing import Protocol
 
 from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
 from nybble.errors import InvalidRequestError
-from nybble.outputs import CompletionOutput, RequestOutput
+from nybble.outputs import RequestOutput
 from nybble.runtime.async_engine import RequestStream
+from nybble.runtime.input_processor import ParamNames
 from nybble.sampling_params import SamplingParams
-from nybble.server.errors import error_payload
-from nybble.server.protocol import UsageInfo, _SamplingFields
+from nybble.server.protocol import ChatMessage, _SamplingFields
+from nybble.server.responses import UsageInfo
 from nybble.server.state import ServerState
-
-DISCONNECT_POLL_S = 0.5
-"""How often a non-streaming handler checks whether its client is still connected (seconds)."""
+from nybble.server.streams import (
+    CLIENT_CLOSED,
+    SSE_DONE,
+    Delta,
+    DeltaTracker,
+    abort_unfinished,
+    collect,
+    merge,
+    sse_error,
+    submit,
+    usage_of,
+)
 
 
 def new_id(prefix: str) -> str:
@@ -32,43 +45,17 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def sampling_params(req: _SamplingFields, max_tokens: int, logprobs: int | None,
-                    state: ServerState) -> SamplingParams:
-    """Build :class:`SamplingParams` from the request's fields (OpenAI defaults for ``None``).
+def arrival() -> float:
+    """``time.monotonic()`` now: the request's arrival time (seconds)."""
+    return time.monotonic()
 
-    Raises:
-        InvalidRequestError: a value outside its range (names the parameter), or more
-            logprobs than the server allows.
+
+def sampling_params(req: _SamplingFields, max_tokens: int | None,
+                    logprobs: int | None) -> SamplingParams:
+    """The request's fields as :class:`SamplingParams` (OpenAI defaults for ``None``).
+
+    No value is checked here: the engine's request gate checks every range.
     """
-    if logprobs is not None and logprobs > state.config.max_logprobs:
-        raise InvalidRequestError(f"logprobs must be <= {state.config.max_logprobs}, "
-                                  f"got {logprobs}", param="logprobs")
-    neutral = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
-    for name, value in neutral.items():
-        got = getattr(req, name)
-        if got is not None and got != value:
-            raise InvalidRequestError(f"{name} is not supported by nybble: it must be {value} "
-                                      f"or absent, got {got}", param=name)
-    if req.logit_bias:
-        raise InvalidRequestError("logit_bias is not supported by nybble: it must be empty or "
-                                  f"absent, got {len(req.logit_bias)} entries", param="logit_bias")
-    if req.suffix:
-        raise InvalidRequestError(f"suffix is not supported by nybble: it must be empty or "
-                                  f"absent, got {req.suffix!r}", param="suffix")
-    if req.tools:
-        raise InvalidRequestError(f"tools are not supported by nybble: the list must be empty "
-                                  f"or absent, got {len(req.tools)} tools", param="tools")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise InvalidRequestError(f"response_format must be {{'type': 'text'}} or absent (nybble "
-                                  f"has no guided decoding), got {req.response_format}",
-                                  param="response_format")
-    if req.best_of is not None and req.best_of != req.n:
-        raise InvalidRequestError(f"best_of is not supported by nybble: it must equal n "
-                                  f"({req.n}) or be absent, got {req.best_of}", param="best_of")
-    vocab = state.vocab_size
-    if any(not 0 <= t < vocab for t in req.stop_token_ids or []):
-        raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab}), "
-                                  f"got {req.stop_token_ids}", param="stop_token_ids")
     return SamplingParams(
         n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
@@ -78,188 +65,91 @@ def sampling_params(req: _SamplingFields, max_tokens: int, logprobs: int | None,
         logprobs=logprobs)
 
 
-def check_prompt_ids(ids: Sequence[int], state: ServerState, param: str = "prompt") -> None:
-    """Reject an empty prompt or token ids outside the vocabulary.
+def render_chat(state: ServerState, messages: list[ChatMessage],
+                add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of ``messages`` rendered with the tokenizer's chat template.
+
+    The template already emits BOS, so the rendered text is tokenized without adding special
+    tokens again.
 
     Raises:
-        InvalidRequestError: with ``param`` as the parameter.
+        InvalidRequestError: the tokenizer has no chat template.
     """
-    if len(ids) == 0:
-        raise InvalidRequestError(f"{param} must be non-empty, got an empty prompt", param=param)
-    vocab = state.vocab_size
-    bad = [t for t in ids if not 0 <= t < vocab]
-    if bad:
-        raise InvalidRequestError(f"{param} must hold token ids in [0, {vocab}), got {bad[:5]}",
-                                  param=param)
+    if not getattr(state.tokenizer, "chat_template", None):
+        raise InvalidRequestError("this model's tokenizer has no chat template; use "
+                                  "/v1/completions", param="messages")
+    text = state.tokenizer.apply_chat_template(
+        [{"role": m.role, "content": m.text()} for m in messages],
+        add_generation_prompt=add_generation_prompt, tokenize=False)
+    return list(state.tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def resolve_max_tokens(num_prompt: int, max_tokens: int | None, state: ServerState,
-                       param: str = "max_tokens") -> int:
-    """``max_tokens`` checked against ``max_model_len`` (``None``: the rest of the context).
+class Renderer(Protocol):
+    """What one endpoint renders; everything else is the shared pipeline.
+
+    Attributes:
+        request_id: the response id (engine requests are ``<request_id>-<prompt index>``).
+    """
+
+    request_id: str
+
+    def preamble(self) -> list[str]:
+        """SSE events sent before the first token (chat: the role deltas; completions: the
+        echoed prompts)."""
+
+    def delta_chunk(self, prompt_index: int, out: RequestOutput, delta: Delta) -> str:
+        """The SSE event of one sample's delta."""
+
+    def usage_chunk(self, usage: UsageInfo) -> str:
+        """The final SSE event with usage and no choices (``stream_options.include_usage``)."""
+
+    def response(self, finals: list[RequestOutput]) -> BaseModel:
+        """The non-streaming response from the final output of every prompt."""
+
+
+async def serve(request: Request, state: ServerState, renderer: Renderer,
+                prompts: Sequence[str | list[int]], params: SamplingParams, names: ParamNames,
+                arrival_time: float, stream: bool,
+                include_usage: bool) -> BaseModel | Response:
+    """Gate, submit and answer one API request (``n`` samples of every prompt).
 
     Raises:
-        InvalidRequestError: ``max_tokens < 1``, or prompt + ``max_tokens`` tokens exceed
-            ``max_model_len`` (the message names both numbers).
+        InvalidRequestError: the request gate refused a prompt or a parameter (nothing was
+            queued).
     """
-    limit = state.max_model_len
-    if max_tokens is None:
-        max_tokens = limit - num_prompt
-        if max_tokens < 1:
-            raise InvalidRequestError(
-                f"the prompt has {num_prompt} tokens, which leaves no room to generate within "
-                f"max_model_len ({limit} tokens)", param="messages")
-        return max_tokens
-    if max_tokens < 1:
-        raise InvalidRequestError(f"{param} must be >= 1, got {max_tokens}", param=param)
-    if num_prompt + max_tokens > limit:
-        raise InvalidRequestError(
-            f"this model's maximum context length is {limit} tokens, but the prompt has "
-            f"{num_prompt} tokens and {param} is {max_tokens} "
-            f"({num_prompt + max_tokens} in total)", param=param)
-    return max_tokens
+    gate = state.input_processor
+    requests = [gate.process(f"{renderer.request_id}-{i}", prompt, params, arrival_time, names)
+                for i, prompt in enumerate(prompts)]
+    texts = [p if isinstance(p, str) else None for p in prompts]
+    streams = await submit(state, requests, texts)
+    if stream:
+        return StreamingResponse(_events(state, renderer, streams, include_usage),
+                                 media_type="text/event-stream")
+    finals = await collect(request, state, streams)
+    if finals is None:
+        return Response(status_code=CLIENT_CLOSED)
+    return renderer.response(finals)
 
 
-async def submit(state: ServerState, request_id: str, prompts: list[list[int]],
-                 params: SamplingParams, arrival_time: float) -> list[RequestStream]:
-    """Add one engine request per prompt (ids ``<request_id>-<i>``); all or none.
-
-    Raises:
-        InvalidRequestError: the engine rejected one of them (the others are aborted).
-    """
-    streams: list[RequestStream] = []
+async def _events(state: ServerState, renderer: Renderer, streams: list[RequestStream],
+                  include_usage: bool) -> AsyncIterator[str]:
+    """SSE: the preamble, one event per sample delta, optional usage, then ``[DONE]``; an
+    error after the headers went out is reported in-band."""
+    tracker = DeltaTracker()
+    finals: list[RequestOutput | None] = [None] * len(streams)
     try:
-        for i, ids in enumerate(prompts):
-            streams.append(await state.engine.add_request(f"{request_id}-{i}", ids, params,
-                                                          arrival_time=arrival_time))
-    except BaseException:
-        abort_unfinished(state, streams)
-        raise
-    return streams
-
-
-def abort_unfinished(state: ServerState, streams: list[RequestStream]) -> None:
-    """Abort the streams that have not finished (the client went away or an error occurred)."""
-    for s in streams:
-        if not s.finished:
-            state.engine.abort(s.request_id)
-
-
-async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Interleave several streams as ``(prompt_index, output)`` in arrival order."""
-    if len(streams) == 1:
-        async for out in streams[0]:
-            yield 0, out
-        return
-    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
-
-    async def pump(i: int, stream: RequestStream) -> None:
-        try:
-            async for out in stream:
-                queue.put_nowait((i, out))
-        except Exception as exc:  # noqa: BLE001 -- re-raised by the consumer below
-            queue.put_nowait((i, exc))
-        queue.put_nowait((i, None))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(streams)
-        while remaining:
-            i, item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
+        for event in renderer.preamble():
+            yield event
+        async for i, out in merge(streams):
+            for d in tracker.deltas(i, out):
+                yield renderer.delta_chunk(i, out, d)
+            if out.finished:
+                finals[i] = out
+        if include_usage:
+            yield renderer.usage_chunk(usage_of([f for f in finals if f is not None]))
+        yield SSE_DONE
+    except Exception as exc:  # noqa: BLE001 -- headers are sent; report it in-band
+        yield sse_error(exc)
+        yield SSE_DONE
     finally:
-        for t in tasks:
-            t.cancel()
-
-
-async def _collect(streams: list[RequestStream]) -> list[RequestOutput]:
-    final: list[RequestOutput | None] = [None] * len(streams)
-    async for i, out in merge(streams):
-        final[i] = out
-    assert all(f is not None for f in final), "a stream ended without a finished output"
-    return [f for f in final if f is not None]
-
-
-async def collect(request: Request, state: ServerState,
-                  streams: list[RequestStream]) -> list[RequestOutput] | None:
-    """The final output of every stream, in prompt order; ``None`` if the client went away.
-
-    Every ``DISCONNECT_POLL_S`` seconds it checks the connection; on a disconnect, or any
-    error, the unfinished requests are aborted so their KV blocks are freed.
-    """
-    task = asyncio.ensure_future(_collect(streams))
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                return None
-    finally:
-        task.cancel()
         abort_unfinished(state, streams)
-
-
-def usage_of(outputs: list[RequestOutput]) -> UsageInfo:
-    """Usage over finished outputs: the prompt once per prompt, every sample's tokens."""
-    prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
-                     total_tokens=prompt + completion)
-
-
-@dataclass(slots=True)
-class Delta:
-    """What one sample gained since the previous snapshot."""
-
-    output: CompletionOutput
-    text: str
-    token_start: int              # index in output.token_ids of the first new token
-    finish_reason: str | None     # set once, in the delta where the sample ends
-
-
-class DeltaTracker:
-    """Turns cumulative :class:`RequestOutput` snapshots into per-sample deltas."""
-
-    def __init__(self) -> None:
-        self._seen: dict[tuple[int, int], tuple[int, int, bool]] = {}
-
-    def deltas(self, prompt_index: int, out: RequestOutput) -> list[Delta]:
-        """The non-empty deltas of ``out`` (new text/tokens, or a newly set finish reason)."""
-        result = []
-        for o in out.outputs:
-            key = (prompt_index, o.index)
-            text_len, tok_len, done = self._seen.get(key, (0, 0, False))
-            if done:
-                continue
-            finish = o.finish_reason
-            if len(o.text) > text_len or len(o.token_ids) > tok_len or finish is not None:
-                result.append(Delta(o, o.text[text_len:], tok_len, finish))
-                self._seen[key] = (max(text_len, len(o.text)), len(o.token_ids),
-                                   finish is not None)
-        return result
-
-
-def sse(payload: BaseModel | dict[str, object]) -> str:
-    """One server-sent event ``data: <json>`` line pair."""
-    data = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
-    return f"data: {data}\n\n"
-
-
-SSE_DONE = "data: [DONE]\n\n"
-CLIENT_CLOSED = 499
-"""Status logged for a request whose client disconnected first (nginx's convention)."""
-
-
-def sse_error(exc: BaseException) -> str:
-    """The OpenAI error body as an SSE event, for errors after the stream started."""
-    return sse(error_payload(exc)[1])
-
-
-def arrival() -> float:
-    """``time.monotonic()`` now: the request's arrival time (seconds)."""
-    return time.monotonic()

@@ -10,6 +10,7 @@ from nybble.errors import ModelNotFoundError
 
 if TYPE_CHECKING:
     from nybble.runtime.async_engine import AsyncEngine
+    from nybble.runtime.input_processor import InputProcessor
     from nybble.server.config import ServerConfig
     from nybble.server.metrics import ServerMetrics
 
@@ -20,22 +21,22 @@ class ServerState:
 
     Attributes:
         engine: the async front of the engine (owns the engine thread).
+        input_processor: the engine's request gate (stateless: called on the event loop).
         config: the server settings.
         model_name: the name the API reports and accepts.
         model_path: the model folder (``/v1/models`` ``root``).
         tokenizer: the engine's transformers tokenizer (used for prompts and logprob tokens).
         max_model_len: longest sequence, prompt + output (tokens).
-        vocab_size: number of token ids the tokenizer knows (valid ids are ``[0, vocab_size)``).
         metrics: the Prometheus metrics.
     """
 
     engine: AsyncEngine
+    input_processor: InputProcessor
     config: ServerConfig
     model_name: str
     model_path: str
     tokenizer: Any
     max_model_len: int
-    vocab_size: int
     metrics: ServerMetrics
 
     def check_model(self, model: str | None) -> None:

@@ -37,6 +37,8 @@ def _assert_idle_and_clean(engine: LLMEngine) -> None:
     assert stats.num_free_blocks == stats.num_blocks
     state = engine.scheduler.debug_state()
     assert int(np.count_nonzero(state["ref_counts"])) == 0
+    assert len(engine.engine_core.runner.sampling) == 0, "sampling rows leaked"
+    assert not engine.engine_core.has_unfinished_requests()
 
 
 @pytest.fixture(scope="module")

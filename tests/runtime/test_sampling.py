@@ -100,7 +100,7 @@ def test_n_samples_share_prompt_blocks(engine: LLMEngine) -> None:
     prompt = "Once upon a time there was a little girl named Lily. She loved to play outside"
     params = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=20)
     engine.add_request("grp", prompt, params)
-    first = engine.requests["grp"].first_seq_id
+    first = engine.engine_core.seq_ids("grp")[0]
     engine.step()  # the whole prompt is prefilled once, then forked into 4 samples
     blocks = engine.scheduler.seq_block_ids(first)
     refs = engine.scheduler.debug_state()["ref_counts"]

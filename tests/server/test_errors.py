@@ -52,6 +52,29 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
      {**CHAT, "response_format": {"type": "json_object"}}, 400, "response_format"),
     ("chat-unknown-role", "/v1/chat/completions",
      {**CHAT, "messages": [{"role": "wizard", "content": "Hi"}]}, 400, "messages"),
+    # The request gate: every range, named with the endpoint's own parameter names.
+    ("completion-no-room", "/v1/completions", {**OK_BODY, "prompt": [1] * 512,
+                                               "max_tokens": None}, 400, "prompt"),
+    ("chat-no-room", "/v1/chat/completions",
+     {**CHAT, "messages": [{"role": "user", "content": "Hi. " * 600}]}, 400, "messages"),
+    ("chat-max-completion-tokens-0", "/v1/chat/completions",
+     {**CHAT, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
+    ("logprobs-over-max", "/v1/completions", {**OK_BODY, "logprobs": 21}, 400, "logprobs"),
+    ("chat-top-logprobs-over-max", "/v1/chat/completions",
+     {**CHAT, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    ("chat-top-logprobs-without-logprobs", "/v1/chat/completions",
+     {**CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
+    ("seed-over-64-bits", "/v1/completions",
+     {**OK_BODY, "temperature": 0.8, "seed": 18446744073709551616}, 400, "seed"),
+    ("top-k-negative", "/v1/completions", {**OK_BODY, "top_k": -5}, 400, "top_k"),
+    ("min-p-over-1", "/v1/completions", {**OK_BODY, "min_p": 1.5}, 400, "min_p"),
+    ("empty-stop-string", "/v1/completions", {**OK_BODY, "stop": [""]}, 400, "stop"),
+    ("stop-token-out-of-vocab", "/v1/completions", {**OK_BODY, "stop_token_ids": [600]}, 400,
+     "stop_token_ids"),
+    ("echo-with-logprobs", "/v1/completions", {**OK_BODY, "echo": True, "logprobs": 1}, 400,
+     "echo"),
+    ("second-prompt-bad", "/v1/completions", {**OK_BODY, "prompt": [[1, 5], [1, 99999]]}, 400,
+     "prompt"),
 ]
 
 
@@ -79,6 +102,19 @@ def test_too_long_message_names_both_numbers(server: Server) -> None:
         r = c.post("/v1/completions", json={**OK_BODY, "max_tokens": 600})
     message = r.json()["error"]["message"]
     assert "512" in message and "600" in message
+
+
+def test_over_length_is_one_message_for_both_endpoints(server: Server) -> None:
+    with server.http() as c:
+        completion = c.post("/v1/completions", json={**OK_BODY, "prompt": [1] * 10,
+                                                      "max_tokens": 600}).json()["error"]
+        chat = c.post("/v1/chat/completions", json={**CHAT, "max_tokens": 600}).json()["error"]
+    assert completion["message"].startswith(
+        "prompt + max_tokens must be <= max_model_len (512 tokens), got 10 prompt tokens + "
+        "600 max_tokens = 610")
+    assert chat["message"].startswith("messages + max_tokens must be <= max_model_len (512 "
+                                      "tokens), got ")
+    assert chat["param"] == "max_tokens"
 
 
 def test_openai_client_raises_bad_request(client: openai.OpenAI) -> None:

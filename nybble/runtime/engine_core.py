@@ -1,0 +1,227 @@
+"""EngineCore: the scheduler, the model runner and the step; token ids in, token ids out.
+
+It receives validated :class:`EngineCoreRequest` messages (the request gate has checked them:
+the core only asserts), runs ``schedule -> execute -> update`` once per :meth:`EngineCore.step`
+and returns one :class:`EngineCoreOutputs` with a row per sampled sequence. It never sees text:
+detokenization and stop strings belong to the output side, which reports the samples its stop
+strings ended through :meth:`EngineCore.stop_samples`.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from nybble.config import EngineConfig
+from nybble.kernels import get_attention_backend
+from nybble.models.loader import LoadedModel, load_model
+from nybble.runtime.input_processor import RequestLimits
+from nybble.runtime.kv_cache import plan_kv_cache
+from nybble.runtime.messages import EngineCoreOutputs, EngineCoreRequest
+from nybble.runtime.model_runner import ModelRunner
+from nybble.runtime.request import FinishReason
+from nybble.runtime.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's load (all counts are sequences, blocks or tokens).
+
+    ``kv_cache_usage`` is the fraction of KV blocks in use (0..1; parked prefix-cache blocks
+    count as free); ``num_live_tokens`` the tokens whose K/V the sequences of the last step
+    still hold (the sum of their ``seq_lens``, less those that finished), for KV-waste figures:
+    ``1 - num_live_tokens / (used_blocks * block_size)``. With prefix caching,
+    ``num_cached_tokens_total`` counts the tokens admitted sequences found in the cache (not
+    computed) and ``prefix_cache_hit_rate`` is that over the tokens of the sequences admitted
+    (0 when caching is off or nothing was admitted).
+    """
+
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_blocks: int
+    kv_cache_usage: float
+    num_preemptions: int
+    peak_num_seqs_in_step: int
+    num_steps: int
+    num_live_tokens: int
+    block_size: int
+    num_cached_tokens_total: int = 0
+    num_prefix_query_tokens_total: int = 0
+    prefix_cache_hit_rate: float = 0.0
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device must be 'cpu' or 'auto' on a machine without CUDA, got 'cuda'")
+    return torch.device(name)
+
+
+@dataclass(slots=True)
+class _CoreRequest:
+    """The core's record of one request: sequences ``first_seq_id .. + n - 1``, ``num_live``
+    of them still running."""
+
+    first_seq_id: int
+    n: int
+    num_live: int
+
+
+class EngineCore:
+    """Loads the model, plans the KV pool and runs steps; one thread (or process) drives it.
+
+    Raises (constructor):
+        UnsupportedModelError: the checkpoint cannot be loaded (architecture, dtype, format).
+        ValueError: ``max_model_len`` over the model's limit, or a KV budget under one block.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        mc = config.model_config
+        self.device = _resolve_device(mc.device)
+        backend = get_attention_backend(config.attention_backend, self.device)
+        self.loaded: LoadedModel = load_model(mc, backend, self.device)
+        self.kv_spec = plan_kv_cache(config.cache_config, self.loaded.shape, self.loaded.dtype,
+                                     self.device)
+        self.runner = ModelRunner(self.loaded, self.kv_spec, self.device, mc.seed)
+        sc = config.scheduler_config
+        self.max_model_len = self.loaded.max_model_len
+        self.scheduler = Scheduler(self.kv_spec.num_blocks, self.kv_spec.block_size,
+                                   sc.max_num_seqs, sc.max_num_batched_tokens,
+                                   self.max_model_len, sc.enable_chunked_prefill,
+                                   enable_prefix_caching=config.cache_config.enable_prefix_caching)
+        self._requests: dict[str, _CoreRequest] = {}
+        self._seqs: dict[int, tuple[str, int]] = {}  # seq id -> (request id, sample index)
+        self._unscheduled: dict[int, str] = {}  # first seq id -> request not yet run
+        self._next_seq_id = 0
+        self._peak_seqs = self._num_steps = self._live_tokens = 0
+        self._last_ids = np.zeros(0, np.int64)      # the last step's sequences and seq_lens
+        self._last_lens = np.zeros(0, np.int32)
+        self._last_finished: list[int] = []
+
+    def request_limits(self) -> RequestLimits:
+        """What the request gate checks requests against."""
+        return RequestLimits(
+            max_model_len=self.max_model_len, vocab_size=self.loaded.shape.vocab_size,
+            max_num_seqs=self.config.scheduler_config.max_num_seqs,
+            max_logprobs=self.config.model_config.max_logprobs,
+            num_kv_blocks=self.kv_spec.num_blocks, block_size=self.kv_spec.block_size)
+
+    # ----------------------------------------------------------------- requests
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a validated request; all or nothing (a failure leaves no trace)."""
+        rid, n = request.request_id, request.params.n
+        assert rid not in self._requests, f"request id {rid!r} is already in the core"
+        seq_id = self._next_seq_id
+        self.runner.add_request(seq_id, request.params)
+        try:
+            self.scheduler.add(seq_id, np.asarray(request.prompt_token_ids, dtype=np.int32),
+                               request.max_tokens,
+                               np.asarray(request.stop_token_ids, dtype=np.int32), n)
+        except BaseException:
+            self.runner.remove_sequences(range(seq_id, seq_id + n))
+            raise
+        self._next_seq_id += n
+        self._requests[rid] = _CoreRequest(seq_id, n, n)
+        self._unscheduled[seq_id] = rid
+        for i in range(n):
+            self._seqs[seq_id + i] = (rid, i)
+
+    def seq_ids(self, request_id: str) -> range:
+        """The scheduler sequence ids of a request's samples (for tests and debugging)."""
+        r = self._requests[request_id]
+        return range(r.first_seq_id, r.first_seq_id + r.n)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Stop requests now; their KV blocks and sampling rows are freed. Unknown ids are
+        ignored."""
+        for rid in request_ids:
+            record = self._requests.pop(rid, None)
+            if record is None:
+                continue
+            self._unscheduled.pop(record.first_seq_id, None)
+            live = [s for s in range(record.first_seq_id, record.first_seq_id + record.n)
+                    if s in self._seqs]
+            for seq_id in live:
+                del self._seqs[seq_id]
+                self.scheduler.finish(seq_id, int(FinishReason.ABORTED))
+            self.runner.remove_sequences(live)
+
+    def stop_samples(self, samples: list[tuple[str, int]]) -> None:
+        """Finish samples ``(request_id, index)`` that a stop string ended (``STOPPED``)."""
+        for rid, index in samples:
+            seq_id = self._requests[rid].first_seq_id + index
+            self.scheduler.finish(seq_id, int(FinishReason.STOPPED))
+            self._finish_seq(seq_id)
+        self._note_live_tokens()
+
+    def _finish_seq(self, seq_id: int) -> None:
+        rid, _ = self._seqs.pop(seq_id)
+        self.runner.remove_sequences((seq_id,))
+        self._last_finished.append(seq_id)
+        record = self._requests[rid]
+        record.num_live -= 1
+        if record.num_live == 0:
+            del self._requests[rid]
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether any request is waiting or running."""
+        return bool(self._requests)
+
+    # ----------------------------------------------------------------- the step
+    def step(self) -> EngineCoreOutputs | None:
+        """One iteration: schedule -> execute -> update. ``None`` when nothing ran."""
+        batch = self.scheduler.schedule()
+        if batch.num_seqs == 0:
+            return None
+        outputs = EngineCoreOutputs(scheduled_time=time.monotonic())
+        self._note_scheduled(batch.seq_ids, outputs)
+        result = self.runner.execute(batch)
+        seq_ids, tokens, finish = self.scheduler.update(batch, result.token_ids)
+        outputs.token_ids, outputs.finish_reasons = tokens, finish
+        outputs.logprobs = result.logprobs
+        outputs.top_token_ids, outputs.top_logprobs = result.top_token_ids, result.top_logprobs
+        self._last_ids, self._last_lens = batch.seq_ids.copy(), batch.seq_lens.copy()
+        self._last_finished = []
+        for sid in seq_ids.tolist():
+            rid, index = self._seqs[sid]
+            outputs.request_ids.append(rid)
+            outputs.sample_indices.append(index)
+        for sid in seq_ids[finish != 0].tolist():
+            self._finish_seq(sid)
+        self._note_live_tokens()
+        return outputs
+
+    def _note_scheduled(self, seq_ids: np.ndarray, outputs: EngineCoreOutputs) -> None:
+        self._num_steps += 1
+        self._peak_seqs = max(self._peak_seqs, len(seq_ids))
+        if self._unscheduled:
+            for sid in set(seq_ids.tolist()) & self._unscheduled.keys():
+                outputs.first_scheduled.append(self._unscheduled.pop(sid))
+
+    def _note_live_tokens(self) -> None:
+        """Tokens whose K/V the last step's sequences still hold (finished ones freed theirs)."""
+        still_running = ~np.isin(self._last_ids, self._last_finished)
+        self._live_tokens = int(self._last_lens[still_running].sum())
+
+    # ----------------------------------------------------------------- stats
+    def get_stats(self) -> EngineStats:
+        """Current load; see :class:`EngineStats`."""
+        s = self.scheduler
+        used = s.num_blocks - s.num_free_blocks
+        return EngineStats(num_running=s.num_running, num_waiting=s.num_waiting,
+                           num_free_blocks=s.num_free_blocks, num_blocks=s.num_blocks,
+                           kv_cache_usage=used / s.num_blocks, num_preemptions=s.num_preemptions,
+                           peak_num_seqs_in_step=self._peak_seqs, num_steps=self._num_steps,
+                           num_live_tokens=self._live_tokens, block_size=s.block_size,
+                           num_cached_tokens_total=s.num_prefix_hit_tokens,
+                           num_prefix_query_tokens_total=s.num_prefix_query_tokens,
+                           prefix_cache_hit_rate=s.num_prefix_hit_tokens
+                           / max(s.num_prefix_query_tokens, 1))

@@ -1,0 +1,210 @@
+"""The request gate (vLLM's input processor): every request is completed and checked here, once.
+
+A request enters as a prompt (text or token ids) and a :class:`SamplingParams`; it leaves as
+an :class:`EngineCoreRequest` that the engine core trusts, or as one
+:class:`InvalidRequestError` whose ``param`` names the offending parameter (the server turns it
+into a 400 with an OpenAI error body). The gate resolves ``max_tokens=None`` to the rest of
+the context of *this* prompt and checks, in order:
+
+1. every sampling range (``n``, ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``,
+   ``max_tokens``, ``logprobs`` against ``max_logprobs`` and the vocabulary, ``stop``,
+   ``stop_token_ids`` in the vocabulary);
+2. the prompt: non-empty, every id in the vocabulary;
+3. prompt + ``max_tokens`` within ``max_model_len`` (one message, naming both numbers);
+4. ``n`` within ``max_num_seqs`` (the samples of a request run in one batch);
+5. the request fits the whole KV pool (``KVCacheExhaustedError``), so the scheduler, which
+   only asserts, can always run the oldest sequence alone.
+
+The gate holds no mutable state: it may run on any thread (the server calls it on its event
+loop, before the engine thread sees the request) and, later, in the API server process.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from nybble.errors import InvalidRequestError, KVCacheExhaustedError
+from nybble.runtime.messages import EngineCoreRequest
+from nybble.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, sample_seed
+
+
+@dataclass(frozen=True, slots=True)
+class ParamNames:
+    """The API's names of the parameters the gate reports in an error's ``param``.
+
+    The chat API calls the prompt ``messages``, the budget ``max_completion_tokens`` (or
+    ``max_tokens``) and the number of alternatives ``top_logprobs``.
+    """
+
+    prompt: str = "prompt"
+    max_tokens: str = "max_tokens"
+    logprobs: str = "logprobs"
+
+
+DEFAULT_NAMES = ParamNames()
+"""vLLM's and the completions API's names."""
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    """What the engine can serve, fixed at start-up.
+
+    Attributes:
+        max_model_len: longest sequence, prompt + output (tokens).
+        vocab_size: valid token ids are ``[0, vocab_size)``.
+        max_num_seqs: most sequences in one step (caps ``n``).
+        max_logprobs: largest ``logprobs`` a request may ask for.
+        num_kv_blocks, block_size: the KV pool (blocks, tokens per block).
+    """
+
+    max_model_len: int
+    vocab_size: int
+    max_num_seqs: int
+    max_logprobs: int
+    num_kv_blocks: int
+    block_size: int
+
+
+def _fail(name: str, allowed: str, value: object) -> InvalidRequestError:
+    return InvalidRequestError(f"{name} must be {allowed}, got {value!r}", param=name)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+class InputProcessor:
+    """Turns ``(prompt, SamplingParams)`` into a validated :class:`EngineCoreRequest`.
+
+    Args:
+        tokenizer: the model's transformers tokenizer (text prompts only).
+        limits: the engine's limits.
+        eos_token_ids: the model's EOS ids (stop ids unless ``ignore_eos``).
+    """
+
+    def __init__(self, tokenizer: Any, limits: RequestLimits,
+                 eos_token_ids: Sequence[int]) -> None:
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.eos_token_ids = tuple(eos_token_ids)
+
+    def process(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
+                arrival_time: float | None = None,
+                names: ParamNames = DEFAULT_NAMES) -> EngineCoreRequest:
+        """Complete and check one request.
+
+        Args:
+            prompt: text (tokenized here, with the tokenizer's BOS), or token ids used as
+                they are.
+            names: the API's parameter names, for the error's ``param``.
+
+        Raises:
+            InvalidRequestError: a value outside its range, naming the parameter;
+                ``KVCacheExhaustedError`` (a subclass) when the request cannot fit the pool.
+        """
+        self.check_params(params, names)
+        if isinstance(prompt, str):
+            if not prompt:
+                raise _fail(names.prompt, "non-empty", prompt)
+            ids = list(self.tokenizer(prompt).input_ids)
+        else:
+            ids = [int(t) for t in prompt]
+        self.check_token_ids(ids, names.prompt)
+        max_tokens = self._resolve_max_tokens(len(ids), params.max_tokens, names)
+        self._check_capacity(len(ids), max_tokens, params.n, names)
+        stop_ids = list(params.stop_token_ids or [])
+        if not params.ignore_eos:
+            stop_ids += [t for t in self.eos_token_ids if t not in stop_ids]
+        return EngineCoreRequest(
+            request_id=request_id, prompt_token_ids=ids,
+            params=dataclasses.replace(params, max_tokens=max_tokens), stop_token_ids=stop_ids,
+            arrival_time=arrival_time if arrival_time is not None else time.monotonic())
+
+    def check_token_ids(self, ids: Sequence[int], param: str, allow_empty: bool = False) -> None:
+        """Reject an empty list (unless ``allow_empty``) or ids outside the vocabulary.
+
+        Raises:
+            InvalidRequestError: with ``param`` as the parameter.
+        """
+        if not ids and not allow_empty:
+            raise _fail(param, "non-empty", list(ids))
+        vocab = self.limits.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"{param} must hold token ids in [0, {vocab}), got "
+                                      f"{bad[:5]}", param=param)
+
+    def check_params(self, p: SamplingParams, names: ParamNames = DEFAULT_NAMES) -> None:
+        """Check every range of ``p`` that does not depend on the prompt.
+
+        Raises:
+            InvalidRequestError: naming the first parameter out of range.
+        """
+        if not _is_int(p.n) or p.n < 1:
+            raise _fail("n", "an integer >= 1", p.n)
+        if not _is_real(p.temperature) or not math.isfinite(p.temperature) or p.temperature < 0:
+            raise _fail("temperature", "a finite number >= 0", p.temperature)
+        if not _is_real(p.top_p) or not 0 < p.top_p <= 1:  # NOTE: NaN fails every comparison
+            raise _fail("top_p", "in (0, 1]", p.top_p)
+        if not _is_int(p.top_k) or p.top_k < -1:
+            raise _fail("top_k", "-1 (disabled) or an integer >= 1", p.top_k)
+        if not _is_real(p.min_p) or not 0 <= p.min_p <= 1:
+            raise _fail("min_p", "in [0, 1]", p.min_p)
+        if p.seed is not None:
+            top = SEED_MAX - sample_seed(0, p.n - 1)  # sample n-1's seed must fit as well
+            if not _is_int(p.seed) or not SEED_MIN <= p.seed <= top:
+                why = f" (a 64-bit seed, less sample {p.n - 1}'s offset)" if p.n > 1 else \
+                    " (a 64-bit seed)"
+                raise _fail("seed", f"an integer in [{SEED_MIN}, {top}]{why}", p.seed)
+        if p.max_tokens is not None and (not _is_int(p.max_tokens) or p.max_tokens < 1):
+            raise _fail(names.max_tokens, ">= 1", p.max_tokens)
+        if p.logprobs is not None:
+            cap = min(self.limits.max_logprobs, self.limits.vocab_size)
+            if not _is_int(p.logprobs) or not 0 <= p.logprobs <= cap:
+                raise _fail(names.logprobs, f"in [0, {cap}] (max_logprobs "
+                            f"{self.limits.max_logprobs}, vocabulary {self.limits.vocab_size} "
+                            f"tokens)", p.logprobs)
+        if any(not isinstance(s, str) or not s for s in p.stop_list):
+            raise _fail("stop", "non-empty strings", p.stop)
+        self.check_token_ids(p.stop_token_ids or [], "stop_token_ids", allow_empty=True)
+
+    def _resolve_max_tokens(self, num_prompt: int, max_tokens: int | None,
+                            names: ParamNames) -> int:
+        """``max_tokens``, or the rest of the context when ``None``; the length check."""
+        limit = self.limits.max_model_len
+        resolved = limit - num_prompt if max_tokens is None else max_tokens
+        least = max(resolved, 1)
+        if num_prompt + least > limit:
+            why = "" if max_tokens is not None else \
+                f" ({names.max_tokens} was not set: the prompt leaves no room to generate)"
+            raise InvalidRequestError(
+                f"{names.prompt} + {names.max_tokens} must be <= max_model_len ({limit} "
+                f"tokens), got {num_prompt} prompt tokens + {least} {names.max_tokens} = "
+                f"{num_prompt + least}{why}",
+                param=names.max_tokens if max_tokens is not None else names.prompt)
+        return resolved
+
+    def _check_capacity(self, num_prompt: int, max_tokens: int, n: int,
+                        names: ParamNames) -> None:
+        """``n`` within ``max_num_seqs``; the request's longest sequence within the pool."""
+        cap = self.limits.max_num_seqs
+        if n > cap:
+            raise InvalidRequestError(f"n must be <= {cap} (max_num_seqs: the samples of a "
+                                      f"request run in one batch), got {n}", param="n")
+        lim = self.limits
+        total = min(num_prompt + max_tokens, lim.max_model_len)
+        need = -(-total // lim.block_size)
+        if need > lim.num_kv_blocks:
+            raise KVCacheExhaustedError(
+                f"the request needs {need} KV blocks (min(prompt {num_prompt} + "
+                f"{names.max_tokens} {max_tokens}, max_model_len {lim.max_model_len}) = "
+                f"{total} tokens at {lim.block_size} per block), but the KV cache holds "
+                f"only {lim.num_kv_blocks} blocks", param=names.max_tokens)

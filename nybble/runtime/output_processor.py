@@ -1,0 +1,119 @@
+"""OutputProcessor: the engine core's token ids -> text, stop strings and RequestOutputs.
+
+It keeps one :class:`Request` per request (per-sample detokenizer and output state) and turns
+each step's :class:`EngineCoreOutputs` into cumulative :class:`RequestOutput` snapshots. A
+sample whose text reaches a stop string is reported back, so the caller finishes it in the
+engine core in the same step (vLLM V1's output processor does the same with its aborts).
+"""
+from __future__ import annotations
+
+import time
+
+from transformers import PreTrainedTokenizerBase
+
+from nybble.errors import InvalidRequestError
+from nybble.outputs import RequestOutput
+from nybble.runtime.messages import EngineCoreOutputs, EngineCoreRequest
+from nybble.runtime.request import FinishReason, Request
+
+
+class OutputProcessor:
+    """The per-request output state of the engine.
+
+    Args:
+        tokenizer: the model's transformers tokenizer (detokenization).
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+        self.requests: dict[str, Request] = {}
+
+    def check_new(self, request_id: str) -> None:
+        """Raises :class:`InvalidRequestError` if ``request_id`` is already in flight."""
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request_id must be unique, got {request_id!r} twice")
+
+    def add_request(self, request: EngineCoreRequest, prompt: str | None) -> None:
+        """Start tracking a request the engine core accepted (``prompt``: its text, if any)."""
+        self.requests[request.request_id] = Request.create(
+            request.request_id, prompt, request.prompt_token_ids, request.params,
+            request.arrival_time, self.tokenizer)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Forget a request; its unfinished samples end with ``"abort"``. Returns whether it
+        was known."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return False
+        for sample in request.samples:
+            if sample.output.finish_reason is None:
+                sample.output.finish_reason = FinishReason.ABORTED.openai
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether any request still has a running sample."""
+        return bool(self.requests)
+
+    def process_outputs(self, core: EngineCoreOutputs
+                        ) -> tuple[list[RequestOutput], list[tuple[str, int]]]:
+        """Apply one step's tokens.
+
+        Returns:
+            ``(outputs, stopped)``: a cumulative :class:`RequestOutput` per request that got
+            tokens, and the ``(request_id, sample_index)`` samples a stop string ended in
+            this step, which the engine core must finish (reason ``STOPPED``).
+        """
+        now = time.monotonic()
+        for rid in core.first_scheduled:
+            if rid in self.requests:
+                self.requests[rid].metrics.first_scheduled_time = core.scheduled_time
+        changed: dict[str, Request] = {}
+        stopped: list[tuple[str, int]] = []
+        for row, (rid, index, token, code) in enumerate(zip(
+                core.request_ids, core.sample_indices, core.token_ids.tolist(),
+                core.finish_reasons.tolist())):
+            request = self.requests[rid]
+            sample = request.samples[index]
+            out = sample.output
+            out.token_ids.append(token)
+            if out.logprobs is not None:
+                out.logprobs.append(_row_logprobs(core, row, token, request.params.logprobs or 0))
+            reason = FinishReason(code)
+            if reason == FinishReason.STOPPED:
+                # NOTE: stop_reason is the stop token id the *user* asked for (OpenAI/vLLM
+                # semantics); a model EOS id ends the sample too, but its stop_reason is None.
+                user_stops = request.params.stop_token_ids or ()
+                out.stop_reason = token if token in user_stops else None
+            else:  # NOTE: a stop token is kept in token_ids but never detokenized
+                sample.detok.add_token(token)
+                if reason == FinishReason.NONE and sample.detok.stop_reason is not None:
+                    stopped.append((rid, index))
+                    reason, out.stop_reason = FinishReason.STOPPED, sample.detok.stop_reason
+            out.text += sample.detok.take_delta(finished=reason != FinishReason.NONE)
+            m = request.metrics
+            m.first_token_time = m.first_token_time or now
+            m.last_token_time = now
+            request.new_tokens += 1
+            if reason != FinishReason.NONE:
+                out.finish_reason = reason.openai
+                request.num_finished += 1
+            changed[rid] = request
+        outputs = []
+        for request in changed.values():
+            if request.finished:
+                request.metrics.finished_time = now
+                self.requests.pop(request.request_id, None)
+            outputs.append(request.to_output())
+            request.new_tokens = 0
+        return outputs, stopped
+
+
+def _row_logprobs(core: EngineCoreOutputs, row: int, token: int, k: int) -> dict[int, float]:
+    """``{token_id: logprob}`` of one row: the sampled token, then its top ``k``."""
+    assert core.logprobs is not None
+    entry = {token: float(core.logprobs[row])}
+    if k > 0 and core.top_token_ids is not None and core.top_logprobs is not None:
+        for tid, lp in zip(core.top_token_ids[row, :k].tolist(),
+                           core.top_logprobs[row, :k].tolist()):
+            entry.setdefault(tid, lp)
+    return entry
