@@ -22,3 +22,17 @@ SHARED = os.environ.get("NYBBLE_SHARED") or os.path.normpath(
 def bundled_model() -> str:
     """Path of the bundled stories260k model folder."""
     return DEFAULT_MODEL
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip ``gpu``-marked tests when torch sees no CUDA device (markers: pyproject.toml)."""
+    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not gpu_items:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA: torch.cuda.is_available() is false")
+    for item in gpu_items:
+        item.add_marker(skip)

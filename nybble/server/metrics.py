@@ -1,6 +1,6 @@
 """Prometheus metrics, named like vLLM's with the ``nybble:`` prefix and a ``model_name`` label.
 
-Definitions (``shared/docs/serving-reference.md``): TTFT is first token minus HTTP arrival (so
+Definitions (``docs/serving.md §2.1``): TTFT is first token minus HTTP arrival (so
 it includes tokenization); ITL is the gap between a request's consecutive token steps; e2e is
 finish minus arrival; queue time is first scheduled minus arrival. All times are seconds from
 ``time.monotonic()``. Token counters match the responses' ``usage``: prompt tokens are counted

@@ -3,7 +3,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.bench.helpers import bench_main, plot_module
+
+pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 _RUN_FIELDS = {"request_rate", "max_concurrency", "completed", "failed", "duration_s",
                "total_input_tokens", "total_output_tokens", "requested_output_tokens",

@@ -2,8 +2,12 @@
 on CPU, native on CUDA) as with the torch reference backend, on the bundled real model."""
 from __future__ import annotations
 
+import pytest
+
 from nybble import LLM, SamplingParams
 from nybble.config import DEFAULT_MODEL
+
+pytestmark = [pytest.mark.triton_interpret, pytest.mark.slow]
 
 PROMPTS = ["Once upon a time", "The dog", "Tom and Sue went to the park. They saw"]
 

@@ -16,6 +16,8 @@ from nybble.kernels.triton_cache import reshape_and_cache
 from nybble.kernels.triton_paged_decode import paged_decode_attention
 from nybble.kernels.triton_paged_prefill import paged_prefill_attention
 
+pytestmark = [pytest.mark.triton_interpret]
+
 TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
 
 

@@ -12,6 +12,8 @@ import torch
 
 from nybble.kernels.triton_quant_gemm import awq_gemm, gptq_gemm
 
+pytestmark = [pytest.mark.triton_interpret]
+
 TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 AWQ_REVERSE_ORDER = [0, 4, 1, 5, 2, 6, 3, 7]

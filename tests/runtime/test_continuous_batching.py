@@ -54,6 +54,7 @@ def solo_outputs() -> dict[int, list[int]]:
     return outs
 
 
+@pytest.mark.slow
 def test_staggered_arrivals_match_solo_runs(solo_outputs) -> None:
     engine = _engine(max_num_seqs=24, max_num_batched_tokens=128)
     reqs = _requests(64)
@@ -79,6 +80,7 @@ def test_staggered_arrivals_match_solo_runs(solo_outputs) -> None:
     _assert_idle_and_clean(engine)
 
 
+@pytest.mark.slow
 def test_preemption_recomputes_to_the_same_tokens(solo_outputs) -> None:
     # 10 blocks x 16 tokens = 160 slots: far fewer than the 64 requests need together.
     engine = _engine(max_num_seqs=16, num_gpu_blocks=10)

@@ -48,6 +48,7 @@ def bundled_llm() -> LLM:
     return LLM(DEFAULT_MODEL, max_num_seqs=16)
 
 
+@pytest.mark.slow
 def test_bundled_model_greedy_matches_transformers(bundled_llm: LLM) -> None:
     tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL)
     params = SamplingParams(temperature=0.0, max_tokens=80)
@@ -63,6 +64,7 @@ def test_bundled_model_greedy_matches_transformers(bundled_llm: LLM) -> None:
         assert (prompt + out.outputs[0].text).strip() == want_text.strip()
 
 
+@pytest.mark.slow
 def test_bundled_model_stops_on_generation_config_eos(bundled_llm: LLM) -> None:
     # "The dog" ends its story with BOS (id 1), which only generation_config.json names as EOS;
     # transformers stops there too.

@@ -426,6 +426,7 @@ def _serve_staggered(enable: bool) -> tuple[dict[str, list[int]], Any, Any]:
     return finals, engine.get_stats(), engine
 
 
+@pytest.mark.slow
 def test_engine_greedy_outputs_equal_with_caching_on_and_off() -> None:
     off, off_stats, _ = _serve_staggered(False)
     on, on_stats, engine = _serve_staggered(True)

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from tests.server.conftest import Server
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong-key"},
                                      {"Authorization": "nybble-test-key"}],
                          ids=["missing", "wrong", "no-bearer"])
@@ -28,6 +29,7 @@ def test_missing_or_wrong_key_is_401(server: Server, headers: dict[str, str]) ->
         assert r.json()["error"]["code"] == "invalid_api_key"
 
 
+@pytest.mark.server
 def test_right_key_is_200(server: Server) -> None:
     with server.http() as c:
         assert c.get("/v1/models").status_code == 200
@@ -35,6 +37,7 @@ def test_right_key_is_200(server: Server) -> None:
             == 200
 
 
+@pytest.mark.server
 def test_openai_client_with_wrong_key(server: Server) -> None:
     bad = openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
@@ -42,6 +45,7 @@ def test_openai_client_with_wrong_key(server: Server) -> None:
     assert server.openai().models.list().data
 
 
+@pytest.mark.server
 def test_probes_need_no_key(server: Server) -> None:
     assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
     assert httpx.get(f"{server.url}/metrics", timeout=30).status_code == 200

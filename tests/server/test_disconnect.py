@@ -5,8 +5,12 @@ import json
 import socket
 from typing import TYPE_CHECKING
 
+import pytest
+
 if TYPE_CHECKING:
     from tests.server.conftest import Server
+
+pytestmark = [pytest.mark.server]
 
 
 def test_disconnect_mid_stream_frees_blocks(server: Server) -> None:

@@ -10,6 +10,8 @@ import pytest
 if TYPE_CHECKING:
     from tests.server.conftest import Server
 
+pytestmark = [pytest.mark.server]
+
 OK_BODY = {"model": "stories260k", "prompt": "Once upon a time", "max_tokens": 4}
 CHAT = {"model": "stories260k", "messages": [{"role": "user", "content": "Hi."}]}
 
@@ -147,6 +149,7 @@ def test_bad_requests_do_not_disturb_a_running_stream(server: Server,
     assert texts == [expected]
 
 
+@pytest.mark.slow
 def test_busy_port_fails_fast_with_one_line(server: Server) -> None:
     import subprocess
     import sys

@@ -5,9 +5,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import openai
+import pytest
 
 if TYPE_CHECKING:
     from tests.server.conftest import Server
+
+pytestmark = [pytest.mark.server]
 
 
 def test_metric_names_are_vllm_like(server: Server) -> None:

@@ -9,6 +9,8 @@ import pytest
 if TYPE_CHECKING:
     from tests.server.conftest import Server
 
+pytestmark = [pytest.mark.server]
+
 PROMPT = "Once upon a time, there was a little girl named Lily."
 GREEDY = {"temperature": 0.0}
 

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import httpx
 import openai
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from nybble import LLM, SamplingParams
 
 from .conftest import start_server, stop_server
+
+pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 PREFIX = ("Once upon a time, there was a little girl named Lily. She loved to play outside in "
           "the park with her mom. One day, she saw a big red ball under a tree.")

@@ -3,12 +3,15 @@ serves, and the server's greedy text equals the offline engine's on the same fol
 from __future__ import annotations
 
 import openai
+import pytest
 
 from nybble import LLM, SamplingParams
 from nybble.cli import main
 from nybble.config import DEFAULT_MODEL
 
 from .conftest import start_server, stop_server
+
+pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 
 def test_serve_a_folder_written_by_nybble_quantize(tmp_path, capsys) -> None:

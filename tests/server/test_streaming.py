@@ -4,10 +4,14 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING
 
+import pytest
+
 from nybble import LLM, SamplingParams
 
 if TYPE_CHECKING:
     from tests.server.conftest import Server
+
+pytestmark = [pytest.mark.server]
 
 SUBJECTS = ["Lily", "Tom", "a little dog", "the old man", "a red bird", "Sue and Ben",
             "the big cat", "a small boat"]
