@@ -24,7 +24,7 @@ from nybble.models.loader import check_model_dir, load_model
 from nybble.outputs import RequestOutput
 from nybble.runtime.kv_cache import plan_kv_cache
 from nybble.runtime.model_runner import ModelRunner
-from nybble.runtime.request import FinishReason, Request
+from nybble.runtime.request import FINISH_REASON_OPENAI, FinishReason, Request
 from nybble.runtime.sampler import SamplerOutput, SamplingBatch
 from nybble.runtime.scheduler import Scheduler
 from nybble.sampling_params import SamplingParams
@@ -192,7 +192,7 @@ class LLMEngine:
                 self._seqs.pop(seq_id, None)
                 if sample.output.finish_reason is None:
                     self.scheduler.finish(seq_id, int(FinishReason.ABORTED))
-                    sample.output.finish_reason = FinishReason.ABORTED.openai
+                    sample.output.finish_reason = FINISH_REASON_OPENAI[FinishReason.ABORTED]
 
     def has_unfinished_requests(self) -> bool:
         """Whether any request is waiting or running."""
@@ -266,7 +266,7 @@ class LLMEngine:
             m.last_token_time = now
             request.new_tokens += 1
             if reason != FinishReason.NONE:
-                out.finish_reason = reason.openai
+                out.finish_reason = FINISH_REASON_OPENAI[reason]
                 request.num_finished += 1
                 del self._seqs[sid]
                 finished.append(sid)
