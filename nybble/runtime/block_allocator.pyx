@@ -199,20 +199,23 @@ cdef class BlockAllocator:
                             int32_t num_new, int32_t* copy_src, int32_t* copy_dst) noexcept nogil:
         """Give one sequence KV slots for tokens [num_computed, num_computed + num_new).
 
-        Token regions of the sequence; ``table[0:num_blocks[0]]`` covers the computed ones::
+        Token regions of one sequence (its table covers at least the computed ones)::
 
-            |<--------------- num_computed --------------->|<-- num_new -->|<-lookahead->|
-            |<-- prefix hit -->|<-- computed by forwards -->|  written now  | vLLM only:  |
-            | cached full blocks, taken on admission        |  (this step)  | spec decode |
-            | blk 0 | ... |      | blk k = num_computed // bs | new blks .. |
-                                  ^ the first write: blk k is copied when partial and shared
+            |<- prefix hit ->|<- computed ->|<----- new ----->|<- lookahead ->|
+            |<-------- num_computed ------->|<--- num_new --->|  vLLM only    |
+            | cached blocks, | earlier      |  written by     |  (speculative |
+            | shared         | forwards     |  this step      |  decoding)    |
+            [ blk 0 .. h-1  ][ ..  ][   blk k     ][ new blocks ..  ]
+                                            ^ num_computed: the first write lands in
+                                              blk k, copied first if partial and shared
 
             blocks to add = ceil((num_computed + num_new) / block_size) - num_blocks[0]
 
-        Hits are whole blocks (``get_computed_blocks``), so no write lands in a cached block;
-        no lookahead slots are reserved (no speculative decoding). All or nothing: when the
-        copy of blk k plus the new blocks exceed the free blocks, nothing changes. Otherwise ``copy_src[0] -> copy_dst[0]`` is the KV copy to do before
-        the forward (both -1 when none) and the table grows in place.
+        The prefix hit (``get_computed_blocks``, on admission) is whole blocks, so no write
+        lands in a cached block; no lookahead slots are reserved here. All or nothing: when
+        the copy of blk k plus the new blocks exceed the free blocks, nothing changes;
+        otherwise ``copy_src[0] -> copy_dst[0]`` is the KV copy to do before the forward (both
+        -1 when none) and the table grows in place.
 
         Returns:
             ALLOC_OK, ALLOC_NO_SPACE (nothing changed; capacity, not a bug) or an error code.

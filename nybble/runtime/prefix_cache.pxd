@@ -2,13 +2,14 @@
 """C-level declarations of the prefix cache (rules in prefix_cache.pyx).
 
 :class:`BlockAllocator` owns one :class:`PrefixCache` when prefix caching is on. Public C
-surface (GIL released; ``c_x`` is the C twin of the Python method ``x``):
+surface (GIL released):
 
 * for the allocator: ``is_cached``, ``park`` / ``unpark`` / ``evict`` (the LRU of parked
   blocks), ``num_evictable_blocks``;
-* for admission (``BlockAllocator.get_computed_blocks``): ``c_match``;
-* for the scheduler's update: ``cache_full_blocks`` (registers a sequence's newly full,
-  computed blocks through ``c_register``).
+* for admission (``BlockAllocator.get_computed_blocks``): ``c_match`` (C twin of the Python
+  ``match``; ``find`` looks up one block);
+* for a step's update: ``cache_full_blocks`` (registers a sequence's newly full, computed
+  blocks through ``c_register``, the C twin of ``BlockAllocator.register``).
 
 The readonly counters are Python attributes too. Every other field is private.
 """

@@ -25,7 +25,7 @@ import numpy as np
 
 from nybble.runtime.batch import ScheduledBatch
 from nybble.runtime.reference_allocator import ReferenceBlockAllocator
-from nybble.runtime.scheduler_input import check_add
+from nybble.runtime.scheduler_input import check_add, check_sizes
 from nybble.runtime.sequence import FinishReason
 
 
@@ -52,11 +52,8 @@ class ReferenceScheduler:
     def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int,
                  enable_chunked_prefill: bool = True, enable_prefix_caching: bool = False):
-        for name, value in (("num_blocks", num_blocks), ("block_size", block_size),
-                            ("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len),
-                            ("max_num_batched_tokens", max_num_batched_tokens)):
-            if value < 1:
-                raise ValueError(f"`{name}` must be >= 1, got {value}")
+        check_sizes(num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
+                    max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens)
         self.num_blocks, self.block_size, self.max_num_seqs = num_blocks, block_size, max_num_seqs
         self.max_num_batched_tokens, self.max_model_len = max_num_batched_tokens, max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill

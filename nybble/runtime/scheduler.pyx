@@ -38,7 +38,7 @@ from libc.stdint cimport int32_t, int64_t
 import numpy as np
 
 from nybble.runtime.batch import ScheduledBatch
-from nybble.runtime.scheduler_input import check_add
+from nybble.runtime.scheduler_input import check_add, check_sizes
 
 from nybble.runtime.block_allocator cimport ALLOC_NO_SPACE, raise_alloc_error
 from nybble.runtime.sequence cimport FinishReason, SeqState, cdiv, seq_table
@@ -72,11 +72,8 @@ cdef class Scheduler:
     def __init__(self, int num_blocks, int block_size, int max_num_seqs,
                  int max_num_batched_tokens, int max_model_len,
                  bint enable_chunked_prefill=True, bint enable_prefix_caching=False):
-        for name, value in (("num_blocks", num_blocks), ("block_size", block_size),
-                            ("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len),
-                            ("max_num_batched_tokens", max_num_batched_tokens)):
-            if value < 1:
-                raise ValueError(f"`{name}` must be >= 1, got {value}")
+        check_sizes(num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
+                    max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens)
         self.num_blocks, self.block_size = num_blocks, block_size
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.max_model_len, self.enable_chunked_prefill = max_model_len, enable_chunked_prefill

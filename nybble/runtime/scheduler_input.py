@@ -1,4 +1,5 @@
-"""The checks of ``Scheduler.add``, shared by the Cython scheduler and its plain-Python reference.
+"""The argument checks of ``Scheduler``, shared by the Cython scheduler and its plain-Python
+reference.
 
 Torch-free. The engine validates requests before they get here; these checks keep the
 scheduler's own invariants (a request that cannot fit the whole pool would deadlock it).
@@ -10,6 +11,17 @@ from typing import Any
 import numpy as np
 
 from nybble.errors import KVCacheExhaustedError
+
+
+def check_sizes(**sizes: int) -> None:
+    """Every constructor size (blocks, tokens, sequences) must be >= 1.
+
+    Raises:
+        ValueError: naming the first size below 1.
+    """
+    for name, value in sizes.items():
+        if value < 1:
+            raise ValueError(f"`{name}` must be >= 1, got {value}")
 
 
 def check_add(sched: Any, seq_id: int, token_ids: Any, max_tokens: int, stop_token_ids: Any,
