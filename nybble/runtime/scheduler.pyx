@@ -41,7 +41,7 @@ from nybble.runtime.batch import ScheduledBatch
 from nybble.runtime.scheduler_input import check_add, check_sizes
 
 from nybble.runtime.block_allocator cimport ALLOC_NO_SPACE, raise_alloc_error
-from nybble.runtime.sequence cimport FinishReason, SeqState, cdiv, seq_table
+from nybble.runtime.sequence cimport FinishReason, SeqState, SeqStore, cdiv, seq_table
 
 
 cdef enum StepStatus:
@@ -102,17 +102,18 @@ cdef class Scheduler:
 
     cdef int _schedule_running(self, int32_t* budget) noexcept nogil:
         """Step 1: running sequences, oldest first. Returns preemptions (>= 0) or an error."""
+        cdef SeqStore* st = &self._seqs.st
         cdef int32_t i = 0, slot, victim, n, preempted = 0
         cdef int rc
         cdef SeqState* s
         while i < self._seqs.num_running and budget[0] > 0:
-            slot = self._seqs.st.running[i]
-            s = &self._seqs.st.seqs[slot]
+            slot = st.running[i]
+            s = &st.seqs[slot]
             n = min(s.num_tokens - s.num_computed, budget[0])
             victim = -1
             rc = self._allocate(slot, n)
             while rc == NO_SPACE:       # preempt the newest until it fits (or was the newest)
-                victim = self._seqs.st.running[self._seqs.num_running - 1]
+                victim = st.running[self._seqs.num_running - 1]
                 rc = self._seqs.preempt_last()
                 preempted += 1
                 if rc != 0 or victim == slot:
@@ -131,13 +132,14 @@ cdef class Scheduler:
 
     cdef int _schedule_waiting(self, int32_t* budget) noexcept nogil:
         """Step 2: admit waiting sequences FCFS (head-of-line). Returns 0 or an error."""
+        cdef SeqStore* st = &self._seqs.st
         cdef bint caching = self._allocator.enable_prefix_caching
         cdef int32_t k = 0, slot, n, hit = 0
         cdef int rc = SCHEDULED
         cdef SeqState* s
         while k < self._seqs.num_waiting and budget[0] > 0:
-            slot = self._seqs.st.waiting[k]
-            s = &self._seqs.st.seqs[slot]
+            slot = st.waiting[k]
+            s = &st.seqs[slot]
             if self._seqs.running_weight + s.num_samples > self.max_num_seqs:
                 break
             if caching:

@@ -23,8 +23,9 @@ import numpy as np
 
 from nybble.runtime.block_allocator cimport raise_alloc_error
 from nybble.runtime.sequence cimport (FinishReason, SEQ_RUNNING, SEQ_WAITING, SeqState,
-                                      append_token, seq_table, seq_tokens, store_clone,
-                                      store_dealloc, store_grow, store_new_slot, store_release)
+                                      SeqStore, append_token, seq_table, seq_tokens,
+                                      store_clone, store_dealloc, store_grow, store_new_slot,
+                                      store_release)
 
 _STATUS_NAMES = {SEQ_WAITING: "waiting", SEQ_RUNNING: "running"}
 
@@ -204,38 +205,44 @@ cdef class SequenceTable:
         cdef FinishReason fin
         cdef int rc
         cdef SeqState* s
+        cdef SeqStore* st = &self.st
         cdef bint caching = self._allocator.enable_prefix_caching
+        # hoisted out of the loops (the compiler cannot prove the batch's arrays unchanged)
+        cdef const int32_t* row_slots = batch.row_slots
+        cdef const int32_t* sample_slots = batch.sample_slots
+        cdef const int64_t* row_ids = &batch.seq_ids[0]
+        cdef const int64_t* sample_ids = &batch.sample_seq_ids[0]
         for b in range(batch.num_rows):
-            s = &self.st.seqs[batch.row_slots[b]]
-            if s.status == SEQ_RUNNING and s.seq_id == batch.seq_ids[b]:
+            s = &st.seqs[row_slots[b]]
+            if s.status == SEQ_RUNNING and s.seq_id == row_ids[b]:
                 s.num_computed += s.num_scheduled
                 s.num_scheduled = 0
                 if caching:
                     self._allocator.prefix_cache.cache_full_blocks(
-                        seq_table(&self.st, batch.row_slots[b]), seq_tokens(&self.st, s),
-                        s.num_computed, &s.num_hashed, &s.last_hash)
+                        seq_table(st, row_slots[b]), seq_tokens(st, s), s.num_computed,
+                        &s.num_hashed, &s.last_hash)
         for r in range(batch.num_sampled):
-            slot = batch.sample_slots[r]
-            out_ids[r], out_tokens[r] = batch.sample_seq_ids[r], sampled[r]
-            if (slot < 0 or self.st.seqs[slot].status != SEQ_RUNNING
-                    or self.st.seqs[slot].seq_id != batch.sample_seq_ids[r]):
+            slot = sample_slots[r]
+            out_ids[r], out_tokens[r] = sample_ids[r], sampled[r]
+            if (slot < 0 or st.seqs[slot].status != SEQ_RUNNING
+                    or st.seqs[slot].seq_id != sample_ids[r]):
                 out_finish[r] = FinishReason.ABORTED    # finished while its batch was in flight
                 continue
-            s = &self.st.seqs[slot]
-            fin = append_token(&self.st, s, sampled[r], self._max_model_len)
+            s = &st.seqs[slot]
+            fin = append_token(st, s, sampled[r], self._max_model_len)
             out_finish[r] = fin
             if fin != FinishReason.NONE:
                 rc = self.free_blocks(slot)
                 if rc != 0:
                     return rc
                 self.running_weight -= s.num_samples
-                store_release(&self.st, slot)
+                store_release(st, slot)
                 finished += 1
         if finished:        # drop the finished from the running queue, order kept
             r = 0
             for b in range(self.num_running):
-                if self.st.seqs[self.st.running[b]].status == SEQ_RUNNING:
-                    self.st.running[r] = self.st.running[b]
+                if st.seqs[st.running[b]].status == SEQ_RUNNING:
+                    st.running[r] = st.running[b]
                     r += 1
             self.num_running = r
         return finished
