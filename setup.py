@@ -1,4 +1,4 @@
-"""Build the Cython host runtime (prefix cache, block allocator and scheduler).
+"""Build the Cython host runtime (prefix cache, block allocator, sequence table, scheduler).
 
 Metadata lives in pyproject.toml; this file only declares the extension modules.
 Set ``NYBBLE_CYTHON_DEBUG=1`` to turn bounds checks back on and add line tracing.
@@ -30,7 +30,7 @@ extensions = [
         define_macros=macros,
         extra_compile_args=["-O3"],
     )
-    for name in ("prefix_cache", "block_allocator", "batch_builder", "seq_manager",
+    for name in ("sequence", "prefix_cache", "block_allocator", "batch_builder", "seq_table",
                  "scheduler")
 ]
 

@@ -1,8 +1,8 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
 """The in-flight batch: preallocated output buffers filled once per step (typed Cython, no torch).
 
-The scheduler picks the rows (``_row_slots[0:_nb]``, each sequence with ``num_scheduled`` new
-tokens) and records copy-on-write pairs (``_copy_src/_copy_dst[0:_nc]``);
+The scheduler picks the rows (``add_row``: each sequence with ``num_scheduled`` new tokens) and
+records copy-on-write pairs (``add_copy``);
 :meth:`BatchBuilder.build` then fills every other buffer with the GIL released, and
 :meth:`BatchBuilder.view` wraps the filled prefixes as a :class:`ScheduledBatch` of numpy views
 (valid until the next build; the model runner does ``torch.from_numpy`` with no Python loop).
@@ -32,10 +32,10 @@ cdef class BatchBuilder:
                  int block_size):
         self._block_size = block_size
         cdef size_t rows = max_num_seqs * sizeof(int32_t)
-        self._row_slots = <int32_t*> grow_buffer(NULL, rows)
+        self.row_slots = <int32_t*> grow_buffer(NULL, rows)
         self._row_table_len = <int32_t*> grow_buffer(NULL, rows)
-        self._sample_slots = <int32_t*> grow_buffer(NULL, rows)
-        self._sample_fork = <int32_t*> grow_buffer(NULL, rows)
+        self.sample_slots = <int32_t*> grow_buffer(NULL, rows)
+        self.sample_fork = <int32_t*> grow_buffer(NULL, rows)
         memset(self._row_table_len, 0, rows)
         R, T, MB = max_num_seqs, max_num_batched_tokens, max_blocks_per_seq
         self._input_ids = self._np_input_ids = np.zeros(T, np.int32)
@@ -44,29 +44,29 @@ cdef class BatchBuilder:
         self._block_tables = self._np_block_tables = np.full((R, MB), -1, np.int32)
         self._seq_lens = self._np_seq_lens = np.zeros(R, np.int32)
         self._qsl = self._np_qsl = np.zeros(R + 1, np.int32)
-        self._seq_ids = self._np_seq_ids = np.zeros(R, np.int64)
+        self.seq_ids = self._np_seq_ids = np.zeros(R, np.int64)
         self._sample_rows = self._np_sample_rows = np.zeros(R, np.int32)
-        self._sample_seq_ids = self._np_sample_seq_ids = np.zeros(R, np.int64)
+        self.sample_seq_ids = self._np_sample_seq_ids = np.zeros(R, np.int64)
         self._copy_src = self._np_copy_src = np.zeros(R, np.int32)
         self._copy_dst = self._np_copy_dst = np.zeros(R, np.int32)
 
     def __dealloc__(self):
-        PyMem_Free(self._row_slots)
+        PyMem_Free(self.row_slots)
         PyMem_Free(self._row_table_len)
-        PyMem_Free(self._sample_slots)
-        PyMem_Free(self._sample_fork)
+        PyMem_Free(self.sample_slots)
+        PyMem_Free(self.sample_fork)
 
     cdef void build(self, SeqStore* st) noexcept nogil:
-        """Fill the output buffers for the rows in ``_row_slots[0:_nb]`` of store ``st``."""
+        """Fill the output buffers for the rows in ``row_slots[0:num_rows]`` of store ``st``."""
         cdef int32_t b, j, i, n, start, pos, slot, t = 0, bs = self._block_size
         cdef int32_t* table
         cdef int32_t* tokens
         cdef int32_t* row
         cdef SeqState* s
-        self._ns, self._max_q, self._max_sl = 0, 0, 0
+        self.num_sampled, self._max_q, self._max_sl = 0, 0, 0
         self._qsl[0] = 0
-        for b in range(self._nb):
-            slot = self._row_slots[b]
+        for b in range(self.num_rows):
+            slot = self.row_slots[b]
             s = &st.seqs[slot]
             n, start = s.num_scheduled, s.num_computed
             tokens = seq_tokens(st, s)
@@ -79,7 +79,7 @@ cdef class BatchBuilder:
                 t += 1
             self._qsl[b + 1] = t
             self._seq_lens[b] = start + n
-            self._seq_ids[b] = s.seq_id
+            self.seq_ids[b] = s.seq_id
             row = &self._block_tables[b, 0]
             memcpy(row, table, s.num_blocks * sizeof(int32_t))
             for j in range(s.num_blocks, self._row_table_len[b]):
@@ -89,16 +89,16 @@ cdef class BatchBuilder:
             self._max_sl = max(self._max_sl, start + n)
             if start + n == s.num_tokens:
                 for i in range(s.num_samples):
-                    self._sample_rows[self._ns] = t - 1
-                    self._sample_seq_ids[self._ns] = s.seq_id + i
-                    self._sample_slots[self._ns] = slot
-                    self._sample_fork[self._ns] = i
-                    self._ns += 1
-        self._nt = t
+                    self._sample_rows[self.num_sampled] = t - 1
+                    self.sample_seq_ids[self.num_sampled] = s.seq_id + i
+                    self.sample_slots[self.num_sampled] = slot
+                    self.sample_fork[self.num_sampled] = i
+                    self.num_sampled += 1
+        self.num_tokens = t
 
     cdef object view(self):
         """ScheduledBatch of numpy views of the filled prefixes (valid until the next build)."""
-        B, T, S, C = self._nb, self._nt, self._ns, self._nc
+        B, T, S, C = self.num_rows, self.num_tokens, self.num_sampled, self.num_copies
         return ScheduledBatch(
             num_seqs=B, num_tokens=T, max_query_len=self._max_q, max_seq_len=self._max_sl,
             input_ids=self._np_input_ids[:T], positions=self._np_positions[:T],

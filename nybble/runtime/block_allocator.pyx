@@ -1,23 +1,20 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
 """Fixed pool of KV-cache blocks with O(1) allocate/free and per-block reference counts.
 
-Rules (one line each, over integers):
+Rules (over integers; the methods say the details):
 
-* ``allocate``: pop the top of the free stack, ref count 0 -> 1; empty stack -> ``-1`` / ``None``
-  (capacity is a return value; the scheduler reacts by preempting).
-* ``free``: ref count -= 1; when it reaches 0 the block is pushed back on the free stack.
-* ``incref`` / ``fork``: ref count += 1 for blocks that are already owned (sharing a prefix)
-  or parked in the prefix cache (a prefix hit takes the block off the LRU list).
-* ``copy_on_write(b)``: ref count 1 -> ``b`` (write in place); ref count > 1 -> a fresh block
-  ``d`` and ``b`` loses this owner (the caller copies KV ``b -> d`` before writing).
-* ``c_cover`` (the scheduler's ``allocate_slots``): before writing tokens [start, end) of a
-  sequence, copy-on-write the block holding ``start`` when it is partial and shared, then grow
-  the table to ``ceil(end / block_size)`` blocks -- all or nothing.
-* A block with ref count r is listed in exactly r owners' block tables; a block with ref count
-  0 is on the free stack or, with prefix caching, parked in the :class:`PrefixCache` LRU.
-* Prefix caching (off by default): ``free`` parks a cached block at ref count 0 instead of
-  stacking it (hash and KV kept, still counted free); ``allocate`` pops the free stack
-  first and only then evicts the least recently used parked block (dropping its hash).
+* ``allocate`` pops the free stack (block 0 first in a fresh pool), then, with prefix caching,
+  evicts the least recently used parked block; an empty pool is a return value (-1 / None):
+  capacity, to which the scheduler reacts by preempting.
+* ``free`` drops a reference; at 0 a cached block is parked on the prefix cache's LRU list
+  (hash and KV kept), any other goes back on the free stack. ``incref`` adds one to an owned
+  block (sharing) or a parked one (a prefix hit takes it off the LRU list).
+* ``copy_on_write`` and ``allocate_slots`` give a writer a private copy of a shared block.
+
+NOTE: the invariant. Prefix caching parks blocks, so "free" is not "on the free stack": a
+block with ref count r > 0 is listed in exactly r owners' block tables; a block with ref count
+0 is either on the free stack (uncached) or parked on the :class:`PrefixCache` LRU list
+(cached), never both; an allocation may take either kind (``num_free_blocks`` counts both).
 
 Corruption (double free, incref of a free block, an id outside the pool) is never a return
 value for Python callers: it raises :class:`RuntimeError` naming the block and saying it is a
@@ -63,8 +60,8 @@ cdef class BlockAllocator:
             raise ValueError(f"`num_blocks` must be >= 1, got {num_blocks}")
         if block_size < 1:
             raise ValueError(f"`block_size` must be >= 1, got {block_size}")
-        self._num_blocks = num_blocks
-        self._block_size = block_size
+        self.num_blocks = num_blocks
+        self.block_size = block_size
         self._ref_counts = <int32_t*> PyMem_Malloc(num_blocks * sizeof(int32_t))
         self._free_stack = <int32_t*> PyMem_Malloc(num_blocks * sizeof(int32_t))
         if self._ref_counts == NULL or self._free_stack == NULL:
@@ -75,14 +72,14 @@ cdef class BlockAllocator:
             # Block 0 on top, so a fresh pool hands out 0, 1, 2, ... (readable in tests/logs).
             self._free_stack[i] = num_blocks - 1 - i
         self._num_free = num_blocks
-        self._caching = enable_prefix_caching
-        self._cache = PrefixCache(num_blocks, block_size) if enable_prefix_caching else None
+        self.enable_prefix_caching = enable_prefix_caching
+        self.prefix_cache = PrefixCache(num_blocks, block_size) if enable_prefix_caching else None
 
     def __dealloc__(self):
         PyMem_Free(self._ref_counts)
         PyMem_Free(self._free_stack)
 
-    # ---- C face (scheduler hot loop; GIL released) -------------------------------------------
+    # ---- C face: single blocks (GIL released) ------------------------------------------------
 
     cdef int32_t c_allocate(self) noexcept nogil:
         """Pop a free block, else evict the LRU parked one (ref count becomes 1); return its
@@ -91,8 +88,8 @@ cdef class BlockAllocator:
         if self._num_free > 0:
             self._num_free -= 1
             block_id = self._free_stack[self._num_free]
-        elif self._caching:
-            block_id = self._cache.c_evict()
+        elif self.enable_prefix_caching:
+            block_id = self.prefix_cache.evict()
             if block_id < 0:
                 return -1
         else:
@@ -101,15 +98,15 @@ cdef class BlockAllocator:
         return block_id
 
     cdef int c_free(self, int32_t block_id) noexcept nogil:
-        """Drop one reference; push the block on the free stack when none is left."""
-        if block_id < 0 or block_id >= self._num_blocks or self._ref_counts[block_id] <= 0:
-            self._err_block = block_id
-            return ERR_BLOCK_RANGE if block_id < 0 or block_id >= self._num_blocks \
+        """Drop one reference; at none, park a cached block, stack any other."""
+        if block_id < 0 or block_id >= self.num_blocks or self._ref_counts[block_id] <= 0:
+            self.err_block = block_id
+            return ERR_BLOCK_RANGE if block_id < 0 or block_id >= self.num_blocks \
                 else ERR_DOUBLE_FREE
         self._ref_counts[block_id] -= 1
         if self._ref_counts[block_id] == 0:
-            if self._caching and self._cache._cached[block_id]:
-                self._cache.c_park(block_id)
+            if self.enable_prefix_caching and self.prefix_cache.is_cached(block_id):
+                self.prefix_cache.park(block_id)
             else:
                 self._free_stack[self._num_free] = block_id
                 self._num_free += 1
@@ -118,24 +115,20 @@ cdef class BlockAllocator:
     cdef int c_incref(self, int32_t block_id) noexcept nogil:
         """Add one reference to an owned block (sharing) or to a parked cached block (a
         prefix hit; it leaves the LRU list); any other free block is an error code."""
-        if block_id < 0 or block_id >= self._num_blocks:
-            self._err_block = block_id
+        if block_id < 0 or block_id >= self.num_blocks:
+            self.err_block = block_id
             return ERR_BLOCK_RANGE
         if self._ref_counts[block_id] == 0:
-            if not (self._caching and self._cache._cached[block_id]):
-                self._err_block = block_id
+            if not (self.enable_prefix_caching and self.prefix_cache.is_cached(block_id)):
+                self.err_block = block_id
                 return ERR_INCREF_FREE
-            self._cache.c_unpark(block_id)
+            self.prefix_cache.unpark(block_id)
         self._ref_counts[block_id] += 1
         return ALLOC_OK
 
-    cdef int32_t c_num_available(self) noexcept nogil:
-        """Blocks an allocation may take: the free stack plus the parked cached blocks."""
-        return self._num_free + (self._cache._num_evictable if self._caching else 0)
-
     cdef int32_t c_ref_count(self, int32_t block_id) noexcept nogil:
         """Ref count of ``block_id``; -1 for an id outside the pool."""
-        if block_id < 0 or block_id >= self._num_blocks:
+        if block_id < 0 or block_id >= self.num_blocks:
             return -1
         return self._ref_counts[block_id]
 
@@ -145,7 +138,7 @@ cdef class BlockAllocator:
         ERR_WRITE_FREE on a bad id."""
         cdef int32_t ref = self.c_ref_count(block_id), fresh
         if ref <= 0:
-            self._err_block = block_id
+            self.err_block = block_id
             return ERR_BLOCK_RANGE if ref < 0 else ERR_WRITE_FREE
         if ref == 1:
             return block_id
@@ -154,9 +147,17 @@ cdef class BlockAllocator:
             self._ref_counts[block_id] -= 1     # ref > 1: stays owned, never freed here
         return fresh
 
-    cdef int c_free_table(self, int32_t* table, int32_t* num_blocks) noexcept nogil:
-        """Free a block table, last block first; freed entries become -1 and ``num_blocks[0]``
-        drops to 0 (on an error it stops at the bad entry, named by ``_err_block``)."""
+    cdef int32_t get_num_free_blocks(self) noexcept nogil:
+        """Blocks an allocation may take: the free stack plus the parked cached blocks."""
+        return self._num_free + (self.prefix_cache.num_evictable_blocks
+                                 if self.enable_prefix_caching else 0)
+
+    # ---- C face: block tables, for the scheduler (GIL released) -------------------------------
+
+    cdef int free_blocks(self, int32_t* table, int32_t* num_blocks) noexcept nogil:
+        """Free a block table, last block first (so a parked chain is evicted tail first);
+        freed entries become -1 and ``num_blocks[0]`` drops to 0 (on an error it stops at the
+        bad entry, named by ``err_block``)."""
         cdef int rc
         while num_blocks[0] > 0:
             rc = self.c_free(table[num_blocks[0] - 1])
@@ -166,7 +167,7 @@ cdef class BlockAllocator:
             num_blocks[0] -= 1
         return ALLOC_OK
 
-    cdef int c_fork_table(self, const int32_t* src, int32_t* dst, int32_t num_blocks) noexcept nogil:
+    cdef int fork_blocks(self, const int32_t* src, int32_t* dst, int32_t num_blocks) noexcept nogil:
         """Copy ``num_blocks`` entries of ``src`` into ``dst``, adding one reference to each."""
         cdef int32_t k
         cdef int rc
@@ -177,29 +178,65 @@ cdef class BlockAllocator:
             dst[k] = src[k]
         return ALLOC_OK
 
-    cdef int c_cover(self, int32_t* table, int32_t* num_blocks, int32_t start, int32_t end,
-                     int32_t* copy_src, int32_t* copy_dst) noexcept nogil:
-        """Prepare a table for writing tokens [start, end) (``start`` <= tokens it covers).
+    cdef int32_t get_computed_blocks(self, const int32_t* tokens, int32_t max_blocks,
+                                     int32_t* table, int32_t* num_blocks,
+                                     uint64_t* last_hash) noexcept nogil:
+        """Admission with prefix caching: point an empty block ``table`` at the longest chain
+        of cached full blocks of ``tokens`` (at most ``max_blocks``), taking a reference to
+        each; ``num_blocks[0]`` and ``last_hash[0]`` (hash of the last hit) are set. Returns
+        the hit blocks, or an error code (``num_blocks[0]`` then counts the referenced ones)."""
+        cdef int32_t j, k = self.prefix_cache.c_match(tokens, max_blocks, table, last_hash)
+        cdef int rc
+        for j in range(k):
+            rc = self.c_incref(table[j])
+            if rc != ALLOC_OK:
+                num_blocks[0] = j
+                return rc
+        num_blocks[0] = k
+        return k
 
-        Returns ALLOC_OK, ALLOC_COPIED (``copy_src[0] -> copy_dst[0]`` recorded),
-        ALLOC_NO_SPACE (nothing changed) or a negative error code.
+    cdef int allocate_slots(self, int32_t* table, int32_t* num_blocks, int32_t num_computed,
+                            int32_t num_new, int32_t* copy_src, int32_t* copy_dst) noexcept nogil:
+        """Give one sequence KV slots for tokens [num_computed, num_computed + num_new).
+
+        Token regions of one sequence (its table covers at least the computed ones)::
+
+            |<- prefix hit ->|<- computed ->|<----- new ----->|<- lookahead ->|
+            |<-------- num_computed ------->|<--- num_new --->|  vLLM only    |
+            | cached blocks, | earlier      |  written by     |  (speculative |
+            | shared         | forwards     |  this step      |  decoding)    |
+            [ blk 0 .. h-1  ][ ..  ][   blk k     ][ new blocks ..  ]
+                                            ^ num_computed: the first write lands in
+                                              blk k, copied first if partial and shared
+
+            blocks to add = ceil((num_computed + num_new) / block_size) - num_blocks[0]
+
+        The prefix hit (``get_computed_blocks``, on admission) is whole blocks, so no write
+        lands in a cached block; no lookahead slots are reserved here. All or nothing: when
+        the copy of blk k plus the new blocks exceed the free blocks, nothing changes;
+        otherwise ``copy_src[0] -> copy_dst[0]`` is the KV copy to do before the forward (both
+        -1 when none) and the table grows in place.
+
+        Returns:
+            ALLOC_OK, ALLOC_NO_SPACE (nothing changed; capacity, not a bug) or an error code.
         """
-        cdef int32_t bs = self._block_size, need = (end + bs - 1) // bs - num_blocks[0]
-        cdef int32_t cow = -1, fresh
+        cdef int32_t bs = self.block_size, cow = -1
+        cdef int32_t need = (num_computed + num_new + bs - 1) // bs - num_blocks[0]
         if need < 0:
             need = 0
-        if start % bs != 0 and self.c_ref_count(table[start // bs]) > 1:
-            cow = start // bs
-        if need + (cow >= 0) > self.c_num_available():
+        if num_computed % bs != 0 and self.c_ref_count(table[num_computed // bs]) > 1:
+            cow = num_computed // bs
+        if need + (cow >= 0) > self.get_num_free_blocks():
             return ALLOC_NO_SPACE
+        copy_src[0] = copy_dst[0] = -1
         if cow >= 0:
-            fresh = self.c_copy_on_write(table[cow])    # ref > 1 and a free block: succeeds
-            copy_src[0], copy_dst[0], table[cow] = table[cow], fresh, fresh
+            copy_src[0] = table[cow]
+            copy_dst[0] = table[cow] = self.c_copy_on_write(table[cow])  # ref > 1, a free block
         while need > 0:
             table[num_blocks[0]] = self.c_allocate()
             num_blocks[0] += 1
             need -= 1
-        return ALLOC_COPIED if cow >= 0 else ALLOC_OK
+        return ALLOC_OK
 
     # ---- Python face (tests, debugging) ------------------------------------------------------
 
@@ -226,22 +263,18 @@ cdef class BlockAllocator:
         raise_alloc_error(self.c_incref(block_id), block_id)
 
     def fork(self, block_ids) -> None:
-        """Share every block of ``block_ids`` (1-D owned ids, a block table) with one more
-        owner (incref each, in order).
+        """Share every block of ``block_ids`` (a block table) with one more owner.
 
         Raises:
-            RuntimeError: a block is outside the pool or free (a bug); earlier ones keep
-                their extra reference.
+            RuntimeError: a block is outside the pool or free (a bug; earlier ones stay shared).
         """
         for b in block_ids:
             raise_alloc_error(self.c_incref(b), b)
 
     def copy_on_write(self, int block_id) -> int | None:
         """The block an owner of ``block_id`` should write: ``block_id`` itself when it has one
-        owner, else a fresh block that takes over this owner's reference (copy the KV first).
-
-        Returns:
-            A block id, or ``None`` when a fresh block is needed and the pool is empty.
+        owner, else a fresh block taking over this owner's reference (copy the KV first), or
+        ``None`` when that needs a block and the pool is empty.
 
         Raises:
             RuntimeError: ``block_id`` is outside the pool or free (a bug).
@@ -257,9 +290,9 @@ cdef class BlockAllocator:
         Raises:
             ValueError: ``block_id`` is outside ``[0, num_blocks)``.
         """
-        if block_id < 0 or block_id >= self._num_blocks:
+        if block_id < 0 or block_id >= self.num_blocks:
             raise ValueError(
-                f"`block_id` must be in [0, {self._num_blocks}), got {block_id}")
+                f"`block_id` must be in [0, {self.num_blocks}), got {block_id}")
         return self._ref_counts[block_id]
 
     def register(self, int block_id, uint64_t parent_hash, token_ids) -> int:
@@ -270,41 +303,27 @@ cdef class BlockAllocator:
             ValueError: prefix caching is off, the block is not owned, or a wrong length.
         """
         cdef const int32_t[::1] tv = np.ascontiguousarray(token_ids, np.int32).reshape(-1)
-        if not (self._caching and tv.shape[0] == self._block_size
+        if not (self.enable_prefix_caching and tv.shape[0] == self.block_size
                 and self.ref_count(block_id) > 0):
             raise ValueError(f"register() needs prefix caching, an owned block and "
-                             f"{self._block_size} token ids, got block {block_id} (ref count "
+                             f"{self.block_size} token ids, got block {block_id} (ref count "
                              f"{self.ref_count(block_id)}), {tv.shape[0]} ids")
-        return self._cache.c_register(block_id, parent_hash, &tv[0])
-
-    @property
-    def prefix_cache(self) -> PrefixCache | None:
-        """The :class:`PrefixCache` (None when prefix caching is off)."""
-        return self._cache
+        return self.prefix_cache.c_register(block_id, parent_hash, &tv[0])
 
     @property
     def num_free_blocks(self) -> int:
         """Blocks an allocation may take: the free stack plus parked cached blocks."""
-        return self.c_num_available()
-
-    @property
-    def num_blocks(self) -> int:
-        """Blocks in the pool."""
-        return self._num_blocks
-
-    @property
-    def block_size(self) -> int:
-        """Tokens per block."""
-        return self._block_size
+        return self.get_num_free_blocks()
 
     def debug_state(self) -> dict:
         """Copies of the C state for tests: ``ref_counts`` int32[num_blocks], ``free_list``
         int32[num_free_blocks] (every block with ref count 0: parked cached blocks most
         recently used first, then the free stack from the bottom; the next allocation is the
         last) and ``evictable`` (parked cached blocks, least recently used first)."""
-        ref_counts = np.array([self._ref_counts[i] for i in range(self._num_blocks)], np.int32)
-        evictable = self._cache.debug_state()["evictable"] if self._caching else []
+        ref_counts = np.array([self._ref_counts[i] for i in range(self.num_blocks)], np.int32)
+        evictable = (self.prefix_cache.debug_state()["evictable"]
+                     if self.enable_prefix_caching else [])
         stack = [self._free_stack[i] for i in range(self._num_free)]
         return {"ref_counts": ref_counts, "evictable": evictable,
                 "free_list": np.array(evictable[::-1] + stack, dtype=np.int32),
-                "num_blocks": self._num_blocks, "block_size": self._block_size}
+                "num_blocks": self.num_blocks, "block_size": self.block_size}

@@ -14,7 +14,7 @@ from transformers import PreTrainedTokenizerBase
 from nybble.errors import InvalidRequestError
 from nybble.outputs import RequestOutput
 from nybble.runtime.messages import EngineCoreOutputs, EngineCoreRequest
-from nybble.runtime.request import FinishReason, Request
+from nybble.runtime.request import FINISH_REASON_OPENAI, FinishReason, Request
 
 
 class OutputProcessor:
@@ -47,7 +47,7 @@ class OutputProcessor:
             return False
         for sample in request.samples:
             if sample.output.finish_reason is None:
-                sample.output.finish_reason = FinishReason.ABORTED.openai
+                sample.output.finish_reason = FINISH_REASON_OPENAI[FinishReason.ABORTED]
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -95,7 +95,7 @@ class OutputProcessor:
             m.last_token_time = now
             request.new_tokens += 1
             if reason != FinishReason.NONE:
-                out.finish_reason = reason.openai
+                out.finish_reason = FINISH_REASON_OPENAI[reason]
                 request.num_finished += 1
             changed[rid] = request
         outputs = []

@@ -1,9 +1,17 @@
 # cython: language_level=3
 """C-level declarations of the prefix cache (rules in prefix_cache.pyx).
 
-:class:`BlockAllocator` owns one :class:`PrefixCache` when prefix caching is on and calls its
-``c_*`` methods with the GIL released; the scheduler walks it on admission (``c_match``) and
-registers newly computed full blocks (``c_register``).
+:class:`BlockAllocator` owns one :class:`PrefixCache` when prefix caching is on. Public C
+surface (GIL released):
+
+* for the allocator: ``is_cached``, ``park`` / ``unpark`` / ``evict`` (the LRU of parked
+  blocks), ``num_evictable_blocks``;
+* for admission (``BlockAllocator.get_computed_blocks``): ``c_match`` (C twin of the Python
+  ``match``; ``find`` looks up one block);
+* for a step's update: ``cache_full_blocks`` (registers a sequence's newly full, computed
+  blocks through ``c_register``, the C twin of ``BlockAllocator.register``).
+
+The readonly counters are Python attributes too. Every other field is private.
 """
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
 
@@ -45,9 +53,11 @@ cdef class PrefixCache:
         # _parent          uint64[N]     parent hash of a cached block (collision check)
         # _tokens          int32[N, bs]  token ids of a cached block (collision check)
         # _prev / _next    int32[N + 1]  LRU list of evictable blocks; sentinel N, head = LRU
-        # _num_cached      int32         blocks with a hash
-        # _num_evictable   int32         cached blocks with ref count 0 (on the LRU list)
-        # _num_evictions   int64         cached blocks reused for new content since start
+        # num_cached_blocks     int32    blocks with a hash (readonly)
+        # num_evictable_blocks  int32    cached blocks with ref count 0, on the LRU list; the
+        #                                allocator counts them free (readonly)
+        # num_evictions         int64    cached blocks reused for new content since start
+        #                                (readonly)
         int32_t _num_blocks
         int32_t _block_size
         int64_t _mask
@@ -59,16 +69,23 @@ cdef class PrefixCache:
         int32_t* _tokens
         int32_t* _prev
         int32_t* _next
-        int32_t _num_cached
-        int32_t _num_evictable
-        int64_t _num_evictions
+    cdef readonly int32_t num_cached_blocks
+    cdef readonly int32_t num_evictable_blocks
+    cdef readonly int64_t num_evictions
 
-    cdef int32_t c_find(self, uint64_t h, uint64_t parent, const int32_t* tokens) noexcept nogil
+    cdef inline bint is_cached(self, int32_t block) noexcept nogil:
+        """True when ``block`` has a hash (owned or parked)."""
+        return self._cached[block]
+
+    cdef int32_t find(self, uint64_t h, uint64_t parent, const int32_t* tokens) noexcept nogil
     cdef int32_t c_match(self, const int32_t* tokens, int32_t max_blocks, int32_t* out,
                          uint64_t* last_hash) noexcept nogil
     cdef uint64_t c_register(self, int32_t block, uint64_t parent,
                              const int32_t* tokens) noexcept nogil
-    cdef void c_park(self, int32_t block) noexcept nogil
-    cdef void c_unpark(self, int32_t block) noexcept nogil
-    cdef int32_t c_evict(self) noexcept nogil
+    cdef void cache_full_blocks(self, const int32_t* table, const int32_t* tokens,
+                                int32_t num_computed, int32_t* num_hashed,
+                                uint64_t* last_hash) noexcept nogil
+    cdef void park(self, int32_t block) noexcept nogil
+    cdef void unpark(self, int32_t block) noexcept nogil
+    cdef int32_t evict(self) noexcept nogil
     cdef void _table_remove(self, int32_t block) noexcept nogil

@@ -9,14 +9,14 @@ vLLM V1's scheme (``--enable-prefix-caching``), in C arrays (no torch, no Python
   (linear probing, backward-shift deletion, load <= 1/2) maps ``h_k`` to the block id, and the
   block keeps ``h_k``, ``h_{k-1}`` and its token ids. The first block registered under a hash
   wins; a later block with the same content stays uncached (block tables are append-only);
-* a lookup (``c_find``/``c_match``) hits only when the hash, the parent hash **and** the
+* a lookup (``find``/``c_match``) hits only when the hash, the parent hash **and** the
   block's token ids all match. The residual risk is a 64-bit collision of two chains whose
   block tokens and parent hashes are equal (probability ~2^-64 per pair); it is accepted, as
   in vLLM, whose default hash does not check tokens at all;
 * the allocator parks a cached block whose ref count drops to 0 on an LRU list
-  (``c_park``; still counted free, hash and KV kept), takes it back when a request hits it
-  (``c_unpark``) and, once no truly free block is left, reuses the least recently used one
-  (``c_evict``: its hash is dropped).
+  (``park``; still counted free, hash and KV kept), takes it back when a request hits it
+  (``unpark``) and, once no truly free block is left, reuses the least recently used one
+  (``evict``: its hash is dropped).
 
 A cached block is never written: a hit covers whole blocks below ``num_computed``, so every
 write lands in a block of its own (at most ``num_tokens - 1`` tokens hit, so the last token is
@@ -88,7 +88,7 @@ cdef class PrefixCache:
 
     # ---- C face (GIL released) ---------------------------------------------------------------
 
-    cdef int32_t c_find(self, uint64_t h, uint64_t parent, const int32_t* tokens) noexcept nogil:
+    cdef int32_t find(self, uint64_t h, uint64_t parent, const int32_t* tokens) noexcept nogil:
         """The cached block with hash ``h``, parent hash ``parent`` and these token ids, or -1."""
         cdef int64_t i = <int64_t> (h & <uint64_t> self._mask)
         cdef int32_t b, bs = self._block_size
@@ -111,7 +111,7 @@ cdef class PrefixCache:
         cdef uint64_t parent = 0, h
         while k < max_blocks:
             h = hash_block(parent, tokens + <int64_t> k * bs, bs)
-            b = self.c_find(h, parent, tokens + <int64_t> k * bs)
+            b = self.find(h, parent, tokens + <int64_t> k * bs)
             if b < 0:
                 break
             out[k] = b
@@ -137,33 +137,45 @@ cdef class PrefixCache:
         self._keys[i], self._slots[i] = h, block
         self._cached[block], self._hash[block], self._parent[block] = 1, h, parent
         memcpy(self._tokens + <int64_t> block * bs, tokens, bs * sizeof(int32_t))
-        self._num_cached += 1
+        self.num_cached_blocks += 1
         return h
 
-    cdef void c_park(self, int32_t block) noexcept nogil:
+    cdef void cache_full_blocks(self, const int32_t* table, const int32_t* tokens,
+                                int32_t num_computed, int32_t* num_hashed,
+                                uint64_t* last_hash) noexcept nogil:
+        """Register every block of one sequence that is now full and computed: blocks
+        ``num_hashed[0]`` .. ``num_computed // block_size - 1`` of ``table`` (its block table)
+        holding ``tokens`` (its token ids), chaining from ``last_hash[0]``; both advance."""
+        cdef int32_t bs = self._block_size
+        while (num_hashed[0] + 1) * bs <= num_computed:
+            last_hash[0] = self.c_register(table[num_hashed[0]], last_hash[0],
+                                           tokens + <int64_t> num_hashed[0] * bs)
+            num_hashed[0] += 1
+
+    cdef void park(self, int32_t block) noexcept nogil:
         """A cached block lost its last owner: append it to the LRU list (most recent last)."""
         cdef int32_t tail = self._prev[self._num_blocks]
         self._prev[block], self._next[block] = tail, self._num_blocks
         self._next[tail] = block
         self._prev[self._num_blocks] = block
-        self._num_evictable += 1
+        self.num_evictable_blocks += 1
 
-    cdef void c_unpark(self, int32_t block) noexcept nogil:
+    cdef void unpark(self, int32_t block) noexcept nogil:
         """A parked block was hit: take it off the LRU list (it keeps its hash)."""
         self._next[self._prev[block]] = self._next[block]
         self._prev[self._next[block]] = self._prev[block]
-        self._num_evictable -= 1
+        self.num_evictable_blocks -= 1
 
-    cdef int32_t c_evict(self) noexcept nogil:
+    cdef int32_t evict(self) noexcept nogil:
         """Take the least recently used parked block and drop its hash; -1 when none."""
         cdef int32_t block = self._next[self._num_blocks]
         if block == self._num_blocks:
             return -1
-        self.c_unpark(block)
+        self.unpark(block)
         self._table_remove(block)
         self._cached[block] = 0
-        self._num_cached -= 1
-        self._num_evictions += 1
+        self.num_cached_blocks -= 1
+        self.num_evictions += 1
         return block
 
     cdef void _table_remove(self, int32_t block) noexcept nogil:
@@ -200,21 +212,6 @@ cdef class PrefixCache:
         if max_blocks > 0:
             k = self.c_match(&tv[0], max_blocks, &ov[0], &last)
         return out[:k]
-
-    @property
-    def num_cached_blocks(self) -> int:
-        """Blocks with a hash (owned or parked)."""
-        return self._num_cached
-
-    @property
-    def num_evictable_blocks(self) -> int:
-        """Cached blocks with no owner (on the LRU list; counted as free by the allocator)."""
-        return self._num_evictable
-
-    @property
-    def num_evictions(self) -> int:
-        """Cached blocks reused for new content since construction."""
-        return self._num_evictions
 
     def debug_state(self) -> dict:
         """Copies for tests: ``hashes`` / ``parents`` (block -> uint64 as int), ``tokens``

@@ -5,32 +5,21 @@ one per request to detokenize, apply stop strings and build :class:`RequestOutpu
 """
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
 from nybble.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nybble.runtime.detokenizer import IncrementalDetokenizer
+from nybble.runtime.sequence import FinishReason
 from nybble.sampling_params import SamplingParams
 
 
-class FinishReason(enum.IntEnum):
-    """Scheduler finish codes (``update()``/``finish()``), ordered; 0 means still running."""
-
-    NONE = 0
-    STOPPED = 1
-    LENGTH = 2
-    ABORTED = 3
-
-    @property
-    def openai(self) -> str | None:
-        """The OpenAI ``finish_reason`` string."""
-        return _OPENAI_REASON[self]
-
-
-_OPENAI_REASON = {FinishReason.NONE: None, FinishReason.STOPPED: "stop",
-                  FinishReason.LENGTH: "length", FinishReason.ABORTED: "abort"}
+# The scheduler's finish codes (FinishReason, a cpdef enum of the Cython core) as OpenAI's
+# ``finish_reason`` strings; NONE (still running) has none.
+FINISH_REASON_OPENAI: dict[FinishReason, str | None] = {
+    FinishReason.NONE: None, FinishReason.STOPPED: "stop", FinishReason.LENGTH: "length",
+    FinishReason.ABORTED: "abort"}
 
 
 @dataclass

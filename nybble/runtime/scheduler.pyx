@@ -15,54 +15,44 @@ parallel-sampling group counts ``num_samples``):
    its longest cached chain of full blocks (at most ``num_tokens - 1`` tokens, so the last
    token is computed and sampled) and starts with ``num_computed`` = the hit tokens. A prompt
    longer than the remaining budget is chunked when ``enable_chunked_prefill``; otherwise it
-   waits until it fits whole, except a prompt longer than the whole budget, which is chunked
-   anyway (it could never fit, and refusing it would deadlock recompute after preemption).
+   is deferred until it fits whole, except a prompt longer than the whole budget, which is
+   chunked anyway (it could never fit, and refusing it would deadlock recompute after
+   preemption).
 
 A sequence is sampled in a step iff after the step ``num_computed == num_tokens``. Prefill,
 chunked prefill, decode and recompute after preemption (prompt + generated tokens become the
-prefill) all fall out of this one rule. Token regions of one sequence at schedule time::
-
-    |<---------------------- num_tokens (prompt + generated) ---------------------->|
-    |<------ num_computed (KV cached) ------>|<--- new (scheduled) --->|<-- later -->|
-    |<-- prefix hit -->|  (whole cached blocks, taken on admission: num_computed starts here)
-    |  blk 0  |  blk 1  | ... | blk k (part) |   to-allocate blocks    |
-                                  ^ first write lands in blk k: if its ref count > 1
-                                    (shared with a sibling) it is copied first (CoW)
-    blocks to allocate = ceil((num_computed + new) / block_size) - num_blocks
-
-Hit blocks are whole (``num_computed = h * block_size`` on admission), so no write ever lands
-in a cached block; blocks become cacheable in ``update`` once full and computed.
+prefill) all fall out of this one rule. The token regions of one sequence and the blocks they
+need are drawn in ``BlockAllocator.allocate_slots``. After the step, ``update`` advances
+``num_computed``, appends the sampled tokens, forks parallel-sampling groups (the siblings
+share the prompt's blocks), registers newly full blocks in the prefix cache, and finishes and
+frees sequences in the same step.
 
 A request whose ``min(prompt + max_tokens, max_model_len)`` tokens need more blocks than the
 pool holds is rejected in :meth:`Scheduler.add` (KVCacheExhaustedError), so the oldest running
 sequence always fits alone and the scheduler never deadlocks. Contract: every non-empty batch
 from :meth:`schedule` is passed to :meth:`update` before the next :meth:`schedule`.
-
-Layout: this module decides what runs (admission, chunking, preemption) and builds the step;
-its base class :class:`~nybble.runtime.seq_manager.SeqManager` owns the sequences, queues and
-blocks, applies a step's results (``update``/``finish``) and answers the queries;
-:class:`~nybble.runtime.batch_builder.BatchBuilder` owns and fills the output buffers.
+:mod:`nybble.runtime.reference_scheduler` is the same rule in plain Python (the tests' oracle).
 """
 from libc.stdint cimport int32_t, int64_t
-from libc.string cimport memcpy, memmove
 
 import numpy as np
 
-from nybble.errors import KVCacheExhaustedError
 from nybble.runtime.batch import ScheduledBatch
+from nybble.runtime.scheduler_input import check_add, check_sizes
 
-from nybble.runtime.batch_builder cimport BatchBuilder
-from nybble.runtime.block_allocator cimport (ALLOC_COPIED, ALLOC_NO_SPACE, BlockAllocator,
-                                             raise_alloc_error)
-from nybble.runtime.seq_manager cimport SeqManager
-from nybble.runtime.sequence cimport (SEQ_RUNNING, SEQ_WAITING, SeqState, cdiv, seq_table,
-                                      seq_tokens, store_grow)
-
-cdef enum:
-    NO_BLOCKS = 1   # _allocate_for: the pool is short (capacity, not an error)
+from nybble.runtime.block_allocator cimport ALLOC_NO_SPACE, raise_alloc_error
+from nybble.runtime.sequence cimport FinishReason, SeqState, SeqStore, cdiv, seq_table
 
 
-cdef class Scheduler(SeqManager):
+cdef enum StepStatus:
+    # Outcome of giving one sequence tokens this step (>= 0; allocator errors pass through < 0)
+    SCHEDULED = 0   # its blocks cover the tokens; it is a row of the batch
+    NO_SPACE = 1    # the pool is short: preempt (running) or stop admitting (waiting)
+    DEFERRED = 2    # not admitted now though the pool may hold it: chunked prefill is off and
+                    # the whole prompt fits a later step's budget, not this step's remainder
+
+
+cdef class Scheduler:
     """Continuous-batching scheduler (see the module docstring for the rule).
 
     Args:
@@ -82,144 +72,102 @@ cdef class Scheduler(SeqManager):
     def __init__(self, int num_blocks, int block_size, int max_num_seqs,
                  int max_num_batched_tokens, int max_model_len,
                  bint enable_chunked_prefill=True, bint enable_prefix_caching=False):
-        for name, value in (("num_blocks", num_blocks), ("block_size", block_size),
-                            ("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len),
-                            ("max_num_batched_tokens", max_num_batched_tokens)):
-            if value < 1:
-                raise ValueError(f"`{name}` must be >= 1, got {value}")
-        self._alloc = BlockAllocator(num_blocks, block_size, enable_prefix_caching)
-        self._block_size = block_size
-        self._max_num_seqs = max_num_seqs
-        self._max_batched = max_num_batched_tokens
-        self._max_model_len = max_model_len
-        self._max_blocks_per_seq = cdiv(max_model_len, block_size)
-        self._chunked = enable_chunked_prefill
-        self._slot_of = {}
-        self._st.max_blocks = self._max_blocks_per_seq
-        store_grow(&self._st)
-        self._batch = BatchBuilder(max_num_seqs, max_num_batched_tokens,
-                                   self._max_blocks_per_seq, block_size)
+        check_sizes(num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
+                    max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens)
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.max_model_len, self.enable_chunked_prefill = max_model_len, enable_chunked_prefill
+        self._allocator = BlockAllocator(num_blocks, block_size, enable_prefix_caching)
+        self.prefix_cache = self._allocator.prefix_cache
+        cdef int32_t max_blocks_per_seq = cdiv(max_model_len, block_size)
+        self._seqs = SequenceTable(self._allocator, max_model_len, max_blocks_per_seq)
+        self._batch = BatchBuilder(max_num_seqs, max_num_batched_tokens, max_blocks_per_seq,
+                                   block_size)
 
-    # ---- C core: admission and preemption (GIL released; errors are negative AllocStatus
-    # codes) ----------------------------------------------------------------------------------
+    # ---- C core (GIL released; errors are negative AllocStatus codes) -------------------------
 
-    cdef int _allocate_for(self, int32_t slot, int32_t n) noexcept nogil:
-        """Cover ``n`` new tokens of ``slot`` with blocks (copy-on-write for a shared partial
-        block). Returns 0, NO_BLOCKS (nothing changed) or an error code."""
-        cdef SeqState* s = &self._st.seqs[slot]
-        cdef int32_t nc = self._batch._nc
-        cdef int rc = self._alloc.c_cover(seq_table(&self._st, slot), &s.num_blocks,
-                                          s.num_computed, s.num_computed + n,
-                                          &self._batch._copy_src[nc], &self._batch._copy_dst[nc])
-        if rc == ALLOC_COPIED:
-            self._batch._nc += 1
-        return NO_BLOCKS if rc == ALLOC_NO_SPACE else min(rc, 0)
-
-    cdef int _preempt_last(self) noexcept nogil:
-        """Preempt the most recently admitted running sequence to the front of waiting."""
-        self._num_running -= 1
-        cdef int32_t slot = self._st.running[self._num_running]
-        cdef SeqState* s = &self._st.seqs[slot]
-        self._running_weight -= s.num_samples
-        cdef int rc = self._free_blocks(slot)
-        if rc != 0:
-            return rc
-        s.num_computed, s.num_scheduled, s.status = 0, 0, SEQ_WAITING
-        memmove(self._st.waiting + 1, self._st.waiting, self._num_waiting * sizeof(int32_t))
-        self._st.waiting[0] = slot
-        self._num_waiting += 1
-        self._num_preemptions += 1
-        return 0
-
-    cdef int _reuse_prefix(self, int32_t slot) noexcept nogil:
-        """Admission with prefix caching: point the table of waiting ``slot`` (no blocks) at
-        its longest cached chain of full blocks, at most ``num_tokens - 1`` tokens, taking a
-        reference to each; ``num_computed`` = the hit tokens. Returns them or an error code."""
-        cdef SeqState* s = &self._st.seqs[slot]
-        cdef int32_t* table = seq_table(&self._st, slot)
-        cdef int32_t j, k = self._alloc._cache.c_match(
-            seq_tokens(&self._st, s), (s.num_tokens - 1) // self._block_size, table,
-            &s.last_hash)
-        cdef int rc
-        for j in range(k):
-            rc = self._alloc.c_incref(table[j])
-            if rc != 0:
-                s.num_blocks = j
-                return rc
-        s.num_blocks = s.num_hashed = k
-        s.num_computed = k * self._block_size
-        return s.num_computed
+    cdef int _allocate(self, int32_t slot, int32_t num_new) noexcept nogil:
+        """Cover ``num_new`` tokens of ``slot`` with blocks (recording a copy-on-write pair).
+        Returns SCHEDULED, NO_SPACE (nothing changed) or an error code."""
+        cdef SeqState* s = &self._seqs.st.seqs[slot]
+        cdef int32_t src, dst
+        cdef int rc = self._allocator.allocate_slots(seq_table(&self._seqs.st, slot),
+                                                     &s.num_blocks, s.num_computed, num_new,
+                                                     &src, &dst)
+        if rc == ALLOC_NO_SPACE:
+            return NO_SPACE
+        if rc == 0 and src >= 0:
+            self._batch.add_copy(src, dst)
+        return rc
 
     cdef int _schedule_running(self, int32_t* budget) noexcept nogil:
         """Step 1: running sequences, oldest first. Returns preemptions (>= 0) or an error."""
+        cdef SeqStore* st = &self._seqs.st
         cdef int32_t i = 0, slot, victim, n, preempted = 0
         cdef int rc
         cdef SeqState* s
-        cdef int32_t* rows = self._batch._row_slots
-        while i < self._num_running and budget[0] > 0:
-            slot = self._st.running[i]
-            s = &self._st.seqs[slot]
+        while i < self._seqs.num_running and budget[0] > 0:
+            slot = st.running[i]
+            s = &st.seqs[slot]
             n = min(s.num_tokens - s.num_computed, budget[0])
             victim = -1
-            rc = self._allocate_for(slot, n)
-            while rc == NO_BLOCKS:
-                victim = self._st.running[self._num_running - 1]
-                rc = self._preempt_last()
+            rc = self._allocate(slot, n)
+            while rc == NO_SPACE:       # preempt the newest until it fits (or was the newest)
+                victim = st.running[self._seqs.num_running - 1]
+                rc = self._seqs.preempt_last()
                 preempted += 1
                 if rc != 0 or victim == slot:
                     break
-                rc = self._allocate_for(slot, n)
+                rc = self._allocate(slot, n)
             if rc < 0:
                 return rc
             if victim == slot:      # preempted itself: everything after it is gone too
                 break
             s.num_scheduled = n
-            rows[self._batch._nb] = slot
-            self._batch._nb += 1
+            self._batch.add_row(slot)
             budget[0] -= n
             i += 1
+        self.num_preemptions += preempted
         return preempted
 
     cdef int _schedule_waiting(self, int32_t* budget) noexcept nogil:
         """Step 2: admit waiting sequences FCFS (head-of-line). Returns 0 or an error."""
-        cdef int32_t k = 0, slot, n, hit
-        cdef int rc = 0
+        cdef SeqStore* st = &self._seqs.st
+        cdef bint caching = self._allocator.enable_prefix_caching
+        cdef int32_t k = 0, slot, n, hit = 0
+        cdef int rc = SCHEDULED
         cdef SeqState* s
-        cdef int32_t* rows = self._batch._row_slots
-        while k < self._num_waiting and budget[0] > 0:
-            slot = self._st.waiting[k]
-            s = &self._st.seqs[slot]
-            if self._running_weight + s.num_samples > self._max_num_seqs:
+        while k < self._seqs.num_waiting and budget[0] > 0:
+            slot = st.waiting[k]
+            s = &st.seqs[slot]
+            if self._seqs.running_weight + s.num_samples > self.max_num_seqs:
                 break
-            hit = self._reuse_prefix(slot) if self._alloc._caching else 0
-            if hit < 0:
-                rc = hit
-                break
-            n, rc = s.num_tokens - s.num_computed, 0
+            if caching:
+                hit = self._seqs.take_cached_prefix(slot)
+                if hit < 0:
+                    rc = hit
+                    break
+            n, rc = s.num_tokens - s.num_computed, SCHEDULED
             if n > budget[0]:
-                if not self._chunked and n <= self._max_batched:
-                    rc = NO_BLOCKS  # would fit whole in a later step
+                if not self.enable_chunked_prefill and n <= self.max_num_batched_tokens:
+                    rc = DEFERRED
                 n = budget[0]
-            if rc == 0:
-                rc = self._allocate_for(slot, n)
-            if rc != 0:
+            if rc == SCHEDULED:
+                rc = self._allocate(slot, n)
+            if rc != SCHEDULED:
                 if rc > 0 and s.num_blocks > 0:     # not admitted: give the hits back
-                    rc = self._free_blocks(slot)
+                    rc = self._seqs.free_blocks(slot)
                     s.num_computed = 0
                 break
-            if self._alloc._caching:
-                self._prefix_hits += hit
-                self._prefix_queries += s.num_tokens
-            s.status, s.num_scheduled = SEQ_RUNNING, n
-            self._st.running[self._num_running] = slot
-            self._num_running += 1
-            self._running_weight += s.num_samples
-            rows[self._batch._nb] = slot
-            self._batch._nb += 1
+            if caching:
+                self.num_prefix_hit_tokens += hit
+                self.num_prefix_query_tokens += s.num_tokens
+            s.num_scheduled = n
+            self._seqs.admit(slot)
+            self._batch.add_row(slot)
             budget[0] -= n
             k += 1
-        self._num_waiting -= k
-        memmove(self._st.waiting, self._st.waiting + k, self._num_waiting * sizeof(int32_t))
+        self._seqs.pop_waiting(k)
         return rc if rc < 0 else 0
 
     # ---- Python face -------------------------------------------------------------------------
@@ -232,7 +180,7 @@ cdef class Scheduler(SeqManager):
             seq_id: engine-chosen id (>= 0, unused).
             token_ids: 1-D prompt token ids (tokens).
             max_tokens: generation budget (>= 1 tokens; generated tokens count after preemption).
-            stop_token_ids: 1-D ids that finish the sequence (reason 1) when sampled.
+            stop_token_ids: 1-D ids that finish the sequence (FinishReason.STOPPED) when sampled.
             num_samples: parallel samples sharing the prompt's blocks (1..max_num_seqs).
 
         Raises:
@@ -241,44 +189,14 @@ cdef class Scheduler(SeqManager):
             KVCacheExhaustedError: ``min(prompt + max_tokens, max_model_len)`` tokens need more
                 blocks than the whole pool.
         """
-        prompt = np.ascontiguousarray(token_ids, dtype=np.int32)
-        stops = np.ascontiguousarray(stop_token_ids, dtype=np.int32).reshape(-1)
-        cdef int64_t P = prompt.shape[0] if prompt.ndim == 1 else 0, L = self._max_model_len
-        if P < 1 or prompt.ndim != 1:
-            raise ValueError(f"`token_ids` must be a non-empty 1-D sequence, got shape "
-                             f"{prompt.shape}")
-        if P > L:
-            raise ValueError(f"`token_ids` must have <= max_model_len={L} tokens, got {P}")
-        if max_tokens < 1:
-            raise ValueError(f"`max_tokens` must be >= 1, got {max_tokens}")
-        if not 1 <= num_samples <= self._max_num_seqs:
-            raise ValueError(f"`num_samples` must be in [1, {self._max_num_seqs}] "
-                             f"(max_num_seqs), got {num_samples}")
-        if seq_id < 0:
-            raise ValueError(f"`seq_id` must be >= 0, got {seq_id}")
-        for i in range(num_samples):
-            if seq_id + i in self._slot_of:
-                raise ValueError(f"`seq_id` must not be in use, got {seq_id + i}")
-        cdef int64_t total = min(P + max_tokens, L)
-        cdef int64_t need = cdiv(<int32_t> total, self._block_size)
-        if need > self._alloc._num_blocks:
-            raise KVCacheExhaustedError(
-                f"request {seq_id} needs {need} KV blocks (min(prompt {P} + max_tokens "
-                f"{max_tokens}, max_model_len {L}) = {total} tokens at {self._block_size} per "
-                f"block), but the pool holds only {self._alloc._num_blocks} blocks",
-                param="max_tokens")
-        cdef int64_t cap = max(total, P + 1)
-        cdef int32_t slot = self._new_slot(seq_id, stops.shape[0], cap)
-        cdef SeqState* s = &self._st.seqs[slot]
-        s.num_prompt_tokens = s.num_tokens = <int32_t> P
-        s.max_tokens, s.num_samples = <int32_t> min(max_tokens, cap), num_samples
-        cdef const int32_t[::1] pv = prompt
-        cdef const int32_t[::1] sv = stops
-        if s.num_stop:
-            memcpy(self._st.arena + s.region_off, &sv[0], s.num_stop * sizeof(int32_t))
-        memcpy(seq_tokens(&self._st, s), &pv[0], P * sizeof(int32_t))
-        self._st.waiting[self._num_waiting] = slot
-        self._num_waiting += 1
+        prompt, stops, total = check_add(self, seq_id, token_ids, max_tokens, stop_token_ids,
+                                         num_samples)
+        self._seqs.add(seq_id, prompt, stops, max_tokens, num_samples,
+                       max(total, prompt.shape[0] + 1))
+
+    def __contains__(self, int64_t seq_id) -> bool:
+        """True when ``seq_id`` is waiting or running."""
+        return self._seqs.find(seq_id) >= 0
 
     def schedule(self) -> ScheduledBatch:
         """Pick this step's work and fill the output buffers (see the module docstring).
@@ -294,16 +212,92 @@ cdef class Scheduler(SeqManager):
         if self._inflight is not None and self._inflight.num_seqs > 0:
             raise RuntimeError("schedule() called before update() of the previous batch; "
                                "every non-empty batch must be passed to update() first")
-        cdef int32_t budget = self._max_batched
+        cdef int32_t budget = self.max_num_batched_tokens
         cdef int rc
         with nogil:
-            self._batch._nb, self._batch._nc = 0, 0
+            self._batch.reset()
             rc = self._schedule_running(&budget)
             if rc == 0:
                 rc = self._schedule_waiting(&budget)
             if rc >= 0:
-                self._batch.build(&self._st)
+                self._batch.build(&self._seqs.st)
         if rc < 0:
-            raise_alloc_error(rc, self._alloc._err_block)
+            raise_alloc_error(rc, self._allocator.err_block)
         self._inflight = self._batch.view()
         return self._inflight
+
+    def update(self, batch, sampled):
+        """Apply one step's results: advance num_computed of every row, append each sampled
+        token, fork groups, finish (a stop id -> STOPPED, max_tokens / max_model_len ->
+        LENGTH) and free.
+
+        Args:
+            batch: the ScheduledBatch returned by the last ``schedule()``.
+            sampled: int32[S] token ids, one per ``batch.sample_rows`` entry.
+
+        Returns:
+            (seq_ids int64[S], tokens int32[S], finish int8[S]) with :class:`FinishReason`
+            codes; ABORTED marks a row whose sequence was finished (finish()) while the batch
+            was in flight.
+
+        Raises:
+            ValueError: ``batch`` is not the pending batch, or ``sampled`` has the wrong shape.
+            RuntimeError: the block bookkeeping is corrupt (a bug).
+        """
+        if self._inflight is None or batch is not self._inflight:
+            raise ValueError("`batch` must be the batch returned by the last schedule() and "
+                             "not yet updated, got a stale or foreign batch")
+        arr = np.ascontiguousarray(sampled, dtype=np.int32)
+        cdef int32_t S = self._batch.num_sampled
+        if arr.ndim != 1 or arr.shape[0] != S:
+            raise ValueError(f"`sampled` must have shape ({S},), got {arr.shape}")
+        self._inflight = None
+        ids, tokens, finish = np.empty(S, np.int64), np.empty(S, np.int32), np.empty(S, np.int8)
+        self._seqs.apply_step(self._batch, arr, ids, tokens, finish)
+        return ids, tokens, finish
+
+    def finish(self, int64_t seq_id, int reason) -> None:
+        """Finish ``seq_id`` now (:class:`FinishReason` STOPPED for a stop string, LENGTH, or
+        ABORTED) and free its blocks. No-op when the id is unknown or already finished; an
+        unforked group goes as a whole.
+
+        Raises:
+            ValueError: ``reason`` is not 1, 2 or 3.
+            RuntimeError: the block bookkeeping is corrupt (a bug).
+        """
+        if reason not in (FinishReason.STOPPED, FinishReason.LENGTH, FinishReason.ABORTED):
+            raise ValueError(f"`reason` must be 1, 2 or 3, got {reason}")
+        self._seqs.finish(seq_id)
+
+    def has_unfinished(self) -> bool:
+        """True while any sequence is waiting or running."""
+        return self._seqs.num_running + self._seqs.num_waiting > 0
+
+    @property
+    def num_running(self) -> int:
+        """Sequences in the running queue (an unforked group is one entry)."""
+        return self._seqs.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences in the waiting queue (new and preempted)."""
+        return self._seqs.num_waiting
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Free KV blocks in the pool (parked prefix-cache blocks count as free)."""
+        return self._allocator.get_num_free_blocks()
+
+    def seq_block_ids(self, int64_t seq_id):
+        """Copy of the block table of ``seq_id`` (int32[num_blocks]).
+
+        Raises:
+            KeyError: ``seq_id`` is not waiting or running.
+        """
+        return self._seqs.block_ids(seq_id)
+
+    def debug_state(self) -> dict:
+        """Copies for tests: the allocator's (``ref_counts``, ``free_list``, ``evictable``)
+        and the sequence table's (``seqs``: seq_id -> status, token counts, ``block_ids``,
+        ``token_ids``; ``running`` and ``waiting`` seq ids in queue order; ``running_weight``)."""
+        return {**self._allocator.debug_state(), **self._seqs.debug_state()}

@@ -1,27 +1,37 @@
 # cython: language_level=3
-"""Per-sequence C state of the scheduler (header only: structs, enums, inline helpers).
+"""Per-sequence C state of the scheduler: the finish codes, structs and inline helpers.
 
 A sequence lives in one slot of a :c:type:`SeqStore` (struct arrays with capacity doubling,
-sklearn's ``Node*`` + ``safe_realloc`` pattern). Its token ids live in the store's flat int32
+sklearn's ``Node*`` + ``safe_realloc`` pattern), owned by a
+:class:`~nybble.runtime.seq_table.SequenceTable`. Its token ids live in the store's flat int32
 arena in one region ``[stop ids (num_stop) | token ids (cap_tokens)]``; its block table is row
-``slot`` of ``tables`` (int32[cap, max_blocks], padding -1). Everything here is compiled into
-each module that cimports it (scheduler, seq_manager, batch_builder); the ``store_*`` functions
-that may allocate hold the GIL, the rest are ``noexcept nogil``.
+``slot`` of ``tables`` (int32[cap, max_blocks], padding -1). The helpers are compiled into each
+module that cimports them (seq_table, scheduler, batch_builder); the ``store_*`` functions
+that may allocate hold the GIL, the rest are ``noexcept nogil``. sequence.pyx makes
+:class:`FinishReason` importable from Python.
 """
 from cpython.mem cimport PyMem_Free, PyMem_Realloc
 from libc.stdint cimport int32_t, int64_t, uint64_t
 from libc.string cimport memcpy
+
 
 cdef enum SeqStatus:
     SEQ_FREE = 0        # slot unused (on the free-slot stack)
     SEQ_WAITING = 1     # in the waiting queue (new, or preempted: num_computed == 0, no blocks)
     SEQ_RUNNING = 2     # in the running list, owns blocks covering num_computed tokens
 
-cdef enum FinishReason:
-    FINISH_NONE = 0     # still running
-    FINISH_STOPPED = 1  # sampled a stop token id (or stop string, via finish())
-    FINISH_LENGTH = 2   # max_tokens generated or max_model_len reached
-    FINISH_ABORTED = 3  # aborted via finish(), or finished before its in-flight batch returned
+
+cpdef enum FinishReason:
+    """Finish codes of ``Scheduler.update()`` / ``finish()``, ordered; NONE (0) = running.
+
+    Declared once here for the Cython core; Python imports it from
+    ``nybble.runtime.sequence`` as an IntEnum (the engine maps it to OpenAI strings).
+    """
+    NONE = 0        # still running
+    STOPPED = 1     # sampled a stop token id (or a stop string, via finish())
+    LENGTH = 2      # max_tokens generated or max_model_len reached
+    ABORTED = 3     # aborted via finish(), or finished before its in-flight batch returned
+
 
 ctypedef struct SeqState:
     # field              type    meaning (units)
@@ -64,8 +74,8 @@ ctypedef struct SeqStore:
     # num_free     int32           unused slots
     # tables       int32[cap, MB]  block table per slot, padding -1
     # max_blocks   int64           MB = ceil(max_model_len / block_size) (blocks)
-    # running      int32[cap]      scheduler's running list storage (slots; sized by cap)
-    # waiting      int32[cap]      scheduler's waiting queue storage (slots; sized by cap)
+    # running      int32[cap]      running queue storage (slots; grows with cap)
+    # waiting      int32[cap]      waiting queue storage (slots; grows with cap)
     # arena        int32[A]        token regions, bump allocated, compacted when full
     # arena_cap    int64           A (int32 elements)
     # arena_used   int64           high-water mark (elements)
@@ -102,6 +112,21 @@ cdef inline int32_t* seq_tokens(SeqStore* st, SeqState* s) noexcept nogil:
 cdef inline int32_t* seq_table(SeqStore* st, int32_t slot) noexcept nogil:
     """Block-table row of ``slot`` (num_blocks valid, then -1)."""
     return st.tables + slot * st.max_blocks
+
+
+cdef inline FinishReason append_token(SeqStore* st, SeqState* s, int32_t token,
+                                      int32_t max_model_len) noexcept nogil:
+    """Append a sampled ``token`` to ``s``: STOPPED when it is one of its stop ids, else LENGTH
+    once max_tokens are generated or max_model_len is reached, else NONE (vLLM's check_stop)."""
+    cdef int32_t j
+    seq_tokens(st, s)[s.num_tokens] = token
+    s.num_tokens += 1
+    for j in range(s.num_stop):
+        if st.arena[s.region_off + j] == token:
+            return FinishReason.STOPPED
+    if s.num_tokens - s.num_prompt_tokens >= s.max_tokens or s.num_tokens >= max_model_len:
+        return FinishReason.LENGTH
+    return FinishReason.NONE
 
 
 cdef inline void* grow_buffer(void* ptr, size_t nbytes) except NULL:
@@ -192,17 +217,6 @@ cdef inline void store_clone(SeqStore* st, int32_t parent, int32_t child) noexce
     c.num_hashed, c.last_hash = p.num_hashed, p.last_hash
     memcpy(st.arena + c.region_off, st.arena + p.region_off,
            (p.num_stop + p.num_tokens) * sizeof(int32_t))
-
-
-cdef inline int32_t compact_running(SeqStore* st, int32_t num_running) noexcept nogil:
-    """Drop non-running slots from ``running[0:num_running]`` in place (order kept);
-    returns the new length."""
-    cdef int32_t r, kept = 0
-    for r in range(num_running):
-        if st.seqs[st.running[r]].status == SEQ_RUNNING:
-            st.running[kept] = st.running[r]
-            kept += 1
-    return kept
 
 
 cdef inline void store_dealloc(SeqStore* st) noexcept:

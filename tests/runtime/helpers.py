@@ -1,4 +1,5 @@
-"""Scheduler test helpers: build schedulers and requests, drive steps, check every invariant.
+"""Scheduler test helpers: build schedulers and requests, drive steps, check every invariant,
+and compare the Cython scheduler with the plain-Python reference (the oracle).
 
 Everything goes through the public API plus ``debug_state()`` (no reaching into C state).
 """
@@ -6,23 +7,27 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
 from nybble.runtime.scheduler import Scheduler
 
 from nybble.runtime.batch import ScheduledBatch
+from nybble.runtime.reference_scheduler import ReferenceScheduler
+
+IMPLS = {"cython": Scheduler, "reference": ReferenceScheduler}
 
 DEFAULTS: dict[str, Any] = {"num_blocks": 64, "block_size": 4, "max_num_seqs": 8,
                              "max_num_batched_tokens": 32, "max_model_len": 128,
                              "enable_chunked_prefill": True}
 
 
-def make_scheduler(**overrides: Any) -> tuple[Scheduler, dict[str, Any]]:
-    """A Scheduler with small test defaults; returns it and the full config dict."""
+def make_scheduler(impl: type = Scheduler, **overrides: Any) -> tuple[Scheduler, dict[str, Any]]:
+    """A scheduler (``impl``: Scheduler or ReferenceScheduler) with small test defaults;
+    returns it and the full config dict."""
     cfg = {**DEFAULTS, **overrides}
-    return Scheduler(**cfg), cfg
+    return impl(**cfg), cfg
 
 
 @dataclass(frozen=True)
@@ -164,3 +169,38 @@ def run_to_completion(sched: Scheduler, cfg: dict[str, Any], sampler: Sampler,
     assert sched.num_free_blocks == cfg["num_blocks"]
     assert not np.any(sched.debug_state()["ref_counts"])
     return tokens
+
+
+COUNTERS = ("num_running", "num_waiting", "num_preemptions", "num_free_blocks",
+            "num_prefix_hit_tokens", "num_prefix_query_tokens")
+
+
+def assert_same_batch(got: ScheduledBatch, want: ScheduledBatch) -> None:
+    """Every field of two ScheduledBatches is equal (arrays: same dtype, shape and values)."""
+    for f in fields(ScheduledBatch):
+        a, b = getattr(got, f.name), getattr(want, f.name)
+        if isinstance(b, np.ndarray):
+            assert a.dtype == b.dtype and a.shape == b.shape, (f.name, a, b)
+            assert np.array_equal(a, b), (f.name, a, b)
+        else:
+            assert a == b, (f.name, a, b)
+
+
+def assert_same_state(got: Any, want: Any) -> None:
+    """Counters, block pool (ref counts, free list order, parked LRU), queues and every
+    sequence of two schedulers are equal. ``max_tokens`` is left out: the Cython core keeps
+    min(max_tokens, token capacity), which finishes at the same token."""
+    assert {c: getattr(got, c) for c in COUNTERS} == {c: getattr(want, c) for c in COUNTERS}
+    a, b = got.debug_state(), want.debug_state()
+    for key in ("ref_counts", "free_list"):
+        assert np.array_equal(a[key], b[key]), (key, a[key], b[key])
+    for key in ("evictable", "running", "waiting", "running_weight"):
+        assert a[key] == b[key], (key, a[key], b[key])
+    assert a["seqs"].keys() == b["seqs"].keys()
+    for sid, seq in b["seqs"].items():
+        for key, value in seq.items():
+            if key != "max_tokens":
+                assert np.array_equal(a["seqs"][sid][key], value), (sid, key)
+    if want.prefix_cache is not None:
+        for key in ("num_cached_blocks", "num_evictable_blocks", "num_evictions"):
+            assert getattr(got.prefix_cache, key) == getattr(want.prefix_cache, key), key

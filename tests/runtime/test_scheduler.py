@@ -9,6 +9,7 @@ from nybble.runtime.scheduler import Scheduler
 
 from nybble.errors import KVCacheExhaustedError
 from tests.runtime.helpers import (
+    IMPLS,
     add_all,
     check_state_invariants,
     constant_sampler,
@@ -19,8 +20,15 @@ from tests.runtime.helpers import (
 )
 
 
-def test_budget_and_seq_cap_respected() -> None:
-    sched, cfg = make_scheduler(max_num_seqs=3, max_num_batched_tokens=10)
+@pytest.fixture(params=list(IMPLS.values()), ids=list(IMPLS))
+def impl(request: pytest.FixtureRequest) -> type:
+    """The scheduler under test: the Cython one, and the plain-Python reference (the same
+    assertions pin both; the oracle tests then compare them step by step)."""
+    return request.param
+
+
+def test_budget_and_seq_cap_respected(impl: type) -> None:
+    sched, cfg = make_scheduler(impl, max_num_seqs=3, max_num_batched_tokens=10)
     add_all(sched, make_requests(7, prompt_len=6, max_tokens=5))
     peak_seqs = 0
     while sched.has_unfinished():
@@ -29,8 +37,8 @@ def test_budget_and_seq_cap_respected() -> None:
     assert peak_seqs == 3
 
 
-def test_fcfs_admission_order() -> None:
-    sched, cfg = make_scheduler(max_num_seqs=2)
+def test_fcfs_admission_order(impl: type) -> None:
+    sched, cfg = make_scheduler(impl, max_num_seqs=2)
     add_all(sched, make_requests(5, prompt_len=3, max_tokens=2, start_id=10, id_stride=10))
     first_seen: list[int] = []
     while sched.has_unfinished():
@@ -39,8 +47,8 @@ def test_fcfs_admission_order() -> None:
     assert first_seen == [10, 20, 30, 40, 50]
 
 
-def test_chunked_prefill_splits_long_prompt() -> None:
-    sched, cfg = make_scheduler(max_num_batched_tokens=16)
+def test_chunked_prefill_splits_long_prompt(impl: type) -> None:
+    sched, cfg = make_scheduler(impl, max_num_batched_tokens=16)
     (req,) = make_requests(1, prompt_len=40, max_tokens=2)
     add_all(sched, [req])
     chunks = []
@@ -50,8 +58,8 @@ def test_chunked_prefill_splits_long_prompt() -> None:
     assert chunks == [(16, 0, []), (16, 16, []), (8, 32, [0])]   # sampled only when complete
 
 
-def test_unchunked_prompt_waits_until_it_fits_whole() -> None:
-    sched, cfg = make_scheduler(max_num_batched_tokens=16, enable_chunked_prefill=False)
+def test_unchunked_prompt_waits_until_it_fits_whole(impl: type) -> None:
+    sched, cfg = make_scheduler(impl, max_num_batched_tokens=16, enable_chunked_prefill=False)
     add_all(sched, make_requests(2, prompt_len=[12, 8]))
     batch, _ = step(sched, cfg, constant_sampler())
     assert batch.seq_ids.tolist() == [0] and batch.num_tokens == 12
@@ -59,17 +67,17 @@ def test_unchunked_prompt_waits_until_it_fits_whole() -> None:
     assert batch.seq_ids.tolist() == [0, 1] and batch.num_tokens == 9
 
 
-def test_unchunked_prompt_longer_than_budget_is_chunked_anyway() -> None:
-    sched, cfg = make_scheduler(max_num_batched_tokens=16, enable_chunked_prefill=False)
+def test_unchunked_prompt_longer_than_budget_is_chunked_anyway(impl: type) -> None:
+    sched, cfg = make_scheduler(impl, max_num_batched_tokens=16, enable_chunked_prefill=False)
     add_all(sched, make_requests(1, prompt_len=40, max_tokens=3))
     batch, _ = step(sched, cfg, constant_sampler())
     assert batch.num_tokens == 16
     assert len(run_to_completion(sched, cfg, constant_sampler())[0]) == 3
 
 
-def test_preemption_newest_first_and_recompute_completes() -> None:
+def test_preemption_newest_first_and_recompute_completes(impl: type) -> None:
     # 2 sequences x (4 prompt + 12 generated) tokens need 2 x 4 blocks > 6 blocks.
-    sched, cfg = make_scheduler(num_blocks=6, block_size=4)
+    sched, cfg = make_scheduler(impl, num_blocks=6, block_size=4)
     reqs = make_requests(2, prompt_len=4, max_tokens=12)
     add_all(sched, reqs)
     sampler = lambda b: (100 + b.sample_seq_ids).astype(np.int32)
@@ -97,8 +105,8 @@ def test_preemption_newest_first_and_recompute_completes() -> None:
     assert sched.num_free_blocks == 6
 
 
-def test_finished_sequence_frees_blocks_in_same_step() -> None:
-    sched, cfg = make_scheduler(num_blocks=10)
+def test_finished_sequence_frees_blocks_in_same_step(impl: type) -> None:
+    sched, cfg = make_scheduler(impl, num_blocks=10)
     add_all(sched, make_requests(1, prompt_len=9, max_tokens=1))
     add_all(sched, make_requests(1, prompt_len=5, max_tokens=8, start_id=1, stop_token_ids=(5,)))
     _, (ids, toks, fin) = step(sched, cfg, lambda b: np.array([7, 5], np.int32))
@@ -107,16 +115,16 @@ def test_finished_sequence_frees_blocks_in_same_step() -> None:
     assert sched.num_free_blocks == 10 and not sched.has_unfinished()
 
 
-def test_max_model_len_finishes_with_length() -> None:
-    sched, cfg = make_scheduler(max_model_len=10)
+def test_max_model_len_finishes_with_length(impl: type) -> None:
+    sched, cfg = make_scheduler(impl, max_model_len=10)
     add_all(sched, make_requests(1, prompt_len=8, max_tokens=50))
     assert len(run_to_completion(sched, cfg, constant_sampler())[0]) == 2
     add_all(sched, make_requests(1, prompt_len=10, max_tokens=50))   # prompt == max_model_len
     assert len(run_to_completion(sched, cfg, constant_sampler())[0]) == 1
 
 
-def test_oversize_and_invalid_requests_rejected() -> None:
-    sched, _ = make_scheduler(num_blocks=4, block_size=4, max_model_len=64)
+def test_oversize_and_invalid_requests_rejected(impl: type) -> None:
+    sched, _ = make_scheduler(impl, num_blocks=4, block_size=4, max_model_len=64)
     with pytest.raises(KVCacheExhaustedError, match=r"needs 5 KV blocks.*holds only 4 blocks"):
         sched.add(0, np.arange(10), max_tokens=10)
     with pytest.raises(ValueError, match="non-empty"):
@@ -131,8 +139,8 @@ def test_oversize_and_invalid_requests_rejected() -> None:
     assert sched.num_waiting == 1
 
 
-def test_parallel_sampling_group_shares_blocks_and_copies_on_write() -> None:
-    sched, cfg = make_scheduler(block_size=4, num_blocks=16)
+def test_parallel_sampling_group_shares_blocks_and_copies_on_write(impl: type) -> None:
+    sched, cfg = make_scheduler(impl, block_size=4, num_blocks=16)
     add_all(sched, make_requests(1, prompt_len=6, max_tokens=3, start_id=20, num_samples=4))
     batch, (_, toks, _) = step(sched, cfg, lambda b: np.arange(4, dtype=np.int32))
     assert batch.sample_seq_ids.tolist() == [20, 21, 22, 23]
@@ -151,8 +159,8 @@ def test_parallel_sampling_group_shares_blocks_and_copies_on_write() -> None:
     assert sorted(run_to_completion(sched, cfg, constant_sampler())) == [20, 21, 22, 23]
 
 
-def test_group_counts_num_samples_toward_seq_cap() -> None:
-    sched, cfg = make_scheduler(max_num_seqs=4)
+def test_group_counts_num_samples_toward_seq_cap(impl: type) -> None:
+    sched, cfg = make_scheduler(impl, max_num_seqs=4)
     add_all(sched, make_requests(1, prompt_len=3, num_samples=3))
     add_all(sched, make_requests(2, prompt_len=3, start_id=5))
     batch, _ = step(sched, cfg, constant_sampler())
@@ -161,8 +169,8 @@ def test_group_counts_num_samples_toward_seq_cap() -> None:
         sched.add(9, [1], max_tokens=1, num_samples=5)
 
 
-def test_finish_aborts_waiting_running_and_in_flight() -> None:
-    sched, cfg = make_scheduler(max_num_seqs=2)
+def test_finish_aborts_waiting_running_and_in_flight(impl: type) -> None:
+    sched, cfg = make_scheduler(impl, max_num_seqs=2)
     add_all(sched, make_requests(3, prompt_len=4, max_tokens=10))
     step(sched, cfg, constant_sampler())
     sched.finish(2, 3)                              # waiting
@@ -179,8 +187,8 @@ def test_finish_aborts_waiting_running_and_in_flight() -> None:
         sched.finish(1, 0)
 
 
-def test_batch_protocol_errors() -> None:
-    sched, _ = make_scheduler()
+def test_batch_protocol_errors(impl: type) -> None:
+    sched, _ = make_scheduler(impl)
     add_all(sched, make_requests(1))
     batch = sched.schedule()
     with pytest.raises(RuntimeError, match="before update"):
@@ -194,14 +202,14 @@ def test_batch_protocol_errors() -> None:
         sched.seq_block_ids(77)
 
 
-def test_empty_schedule_and_properties() -> None:
-    sched, _ = make_scheduler(num_blocks=5, block_size=8)
+def test_empty_schedule_and_properties(impl: type) -> None:
+    sched, _ = make_scheduler(impl, num_blocks=5, block_size=8)
     batch = sched.schedule()
     assert batch.num_seqs == batch.num_tokens == 0 and batch.query_start_loc.tolist() == [0]
     assert (sched.num_blocks, sched.block_size, sched.num_free_blocks) == (5, 8, 5)
     assert (sched.num_running, sched.num_waiting, sched.num_preemptions) == (0, 0, 0)
     with pytest.raises(ValueError, match="`max_num_seqs` must be >= 1, got 0"):
-        make_scheduler(max_num_seqs=0)
+        make_scheduler(impl, max_num_seqs=0)
 
 
 CONFIGS = st.fixed_dictionaries({
