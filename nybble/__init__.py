@@ -14,8 +14,7 @@ from typing import TYPE_CHECKING, Any
 from nybble.config import DEFAULT_MODEL, EngineConfig
 from nybble.outputs import CompletionOutput, RequestOutput
 from nybble.sampling_params import SamplingParams
-
-__version__ = "0.1.0"
+from nybble.version import __version__
 __all__ = [
     "DEFAULT_MODEL",
     "LLM",

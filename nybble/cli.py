@@ -2,6 +2,8 @@
 
 Each subcommand lives next to the code it drives and exposes ``register(subparsers)``, which
 adds its parser and sets ``func`` (called with the parsed namespace, returns an exit code).
+Only the chosen subcommand's module is imported (``nybble serve`` never loads the benchmark or
+quantization code); ``nybble --help`` lists them all without importing any.
 """
 from __future__ import annotations
 
@@ -10,13 +12,16 @@ import importlib
 import logging
 import sys
 
-# module -> the subcommands it registers (imported lazily so `nybble --help` stays fast)
-_SUBCOMMAND_MODULES = (
-    "nybble.server.cli",      # serve
-    "nybble.generate_cli",    # generate
-    "nybble.quantize.cli",    # quantize, eval-ppl
-    "nybble.bench.cli",       # bench throughput | serve
-)
+from nybble.version import __version__
+
+# subcommand -> (the module that registers it, its one-line help)
+_SUBCOMMANDS = {
+    "serve": ("nybble.server.cli", "serve a model over an OpenAI-compatible HTTP API"),
+    "generate": ("nybble.generate_cli", "generate text for one or more prompts"),
+    "quantize": ("nybble.quantize.cli", "quantize a model folder (RTN, GPTQ, AWQ)"),
+    "eval-ppl": ("nybble.quantize.cli", "perplexity of a model on a text file"),
+    "bench": ("nybble.bench.cli", "benchmark throughput or serving latency"),
+}
 
 
 class _DefaultsFormatter(argparse.HelpFormatter):
@@ -39,23 +44,48 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The full ``nybble`` argument parser with every subcommand."""
+class _OnlyChosen:
+    """The subparsers action seen by one module's ``register``: it adds only the chosen
+    subcommand (``nybble.quantize.cli`` registers both ``quantize`` and ``eval-ppl``)."""
+
+    def __init__(self, sub: argparse._SubParsersAction, chosen: str) -> None:
+        self._sub, self._chosen = sub, chosen
+
+    def add_parser(self, name: str, **kwargs: object) -> argparse.ArgumentParser:
+        if name == self._chosen:
+            return self._sub.add_parser(name, **kwargs)
+        return _Parser(prog=name, add_help=False)  # NOTE: not reachable from the command line
+
+
+def chosen_subcommand(argv: list[str]) -> str | None:
+    """The subcommand named in ``argv`` (the first argument that is one), or ``None``."""
+    return next((a for a in argv if a in _SUBCOMMANDS), None)
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The ``nybble`` argument parser: the full parser of the subcommand ``argv`` names, a
+    one-line entry for every other one. ``argv=None`` registers every subcommand fully."""
     parser = _Parser(
         prog="nybble",
         description="nybble: quantization-first LLM inference and serving engine.")
+    parser.add_argument("--version", action="version", version=f"nybble {__version__}")
     parser.add_argument("--log-level", default="INFO",
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="logging level")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    for name in _SUBCOMMAND_MODULES:
-        importlib.import_module(name).register(sub)
+    chosen = None if argv is None else chosen_subcommand(argv)
+    for name, (module, help_text) in _SUBCOMMANDS.items():
+        if argv is None or name == chosen:
+            importlib.import_module(module).register(_OnlyChosen(sub, name))
+        else:
+            sub.add_parser(name, help=help_text)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the ``nybble`` command line; returns the process exit code."""
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: "
                         "%(message)s", datefmt="%H:%M:%S")

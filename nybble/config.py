@@ -13,6 +13,8 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from nybble.errors import UnsupportedModelError
+
 DEFAULT_MODEL = os.path.join(os.path.dirname(__file__), "_bundled", "stories260k")
 """Path of the bundled real model (Karpathy's stories260K in Hugging Face Llama format)."""
 
@@ -24,6 +26,25 @@ _QUANT = (None, "awq", "gptq", "compressed-tensors")
 def _check(ok: bool, name: str, allowed: str, value: object) -> None:
     if not ok:
         raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+def check_model_dir(model_dir: str) -> None:
+    """Fail early, with a clear message, unless ``model_dir`` is a local model folder.
+
+    Cheap (no heavy import), so the CLI answers a bad path at once.
+
+    Raises:
+        UnsupportedModelError: no such folder, a file instead of a folder, or no
+            ``config.json`` in it.
+    """
+    if os.path.isfile(os.path.join(model_dir, "config.json")):
+        return
+    what = ("has no config.json" if os.path.isdir(model_dir) else
+            "is a file, expected a folder" if os.path.exists(model_dir) else "does not exist")
+    raise UnsupportedModelError(
+        f"model must be a local Hugging Face model folder (config.json, *.safetensors, "
+        f"tokenizer files), got {model_dir!r}, which {what}; nybble does not download "
+        f"from model hubs")
 
 
 @dataclass(frozen=True)
@@ -63,6 +84,22 @@ class ModelConfig:
         _check(self.max_model_len is None or self.max_model_len >= 1,
                "max_model_len", ">= 1", self.max_model_len)
         _check(self.max_logprobs >= 0, "max_logprobs", ">= 0", self.max_logprobs)
+
+    def check_folders(self) -> None:
+        """Check, cheaply, that the model (and tokenizer) folders exist.
+
+        Raises:
+            UnsupportedModelError: the model folder is missing or has no ``config.json``.
+            ValueError: ``tokenizer`` is set but is not a folder.
+        """
+        check_model_dir(self.model)
+        if self.tokenizer is not None and not os.path.isdir(self.tokenizer):
+            raise ValueError(f"tokenizer must be a local folder, got {self.tokenizer!r}")
+
+    @property
+    def tokenizer_folder(self) -> str:
+        """Where the tokenizer files are (``tokenizer``, else the model folder)."""
+        return self.tokenizer or self.model
 
     @property
     def name(self) -> str:
@@ -125,6 +162,8 @@ class EngineConfig:
         model_config, cache_config, scheduler_config: the parts.
         attention_backend: ``auto`` (Triton on CUDA, torch on CPU), ``torch`` or ``triton``.
         disable_log_stats: do not log the periodic stats line.
+        threads: torch intra-op threads of the process that runs the model; ``None``: the
+            default of :func:`nybble.threads.resolve_threads`.
     """
 
     model_config: ModelConfig = field(default_factory=ModelConfig)
@@ -132,10 +171,12 @@ class EngineConfig:
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     attention_backend: str = "auto"
     disable_log_stats: bool = False
+    threads: int | None = None
 
     def __post_init__(self) -> None:
         _check(self.attention_backend in _ATTN_BACKENDS, "attention_backend",
                f"one of {_ATTN_BACKENDS}", self.attention_backend)
+        _check(self.threads is None or self.threads >= 1, "threads", ">= 1", self.threads)
 
     @classmethod
     def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> EngineConfig:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from nybble.config import DEFAULT_MODEL, EngineConfig
+from nybble.threads import add_threads_arg
 
 
 def _parse_bytes(text: str) -> int:
@@ -75,6 +76,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
                         help="attention kernels (auto: triton on CUDA, torch on CPU)")
     parser.add_argument("--disable-log-stats", action="store_true",
                         help="do not log the periodic stats line")
+    add_threads_arg(parser)
 
 
 def engine_config_from_args(args: argparse.Namespace,
@@ -90,4 +92,5 @@ def engine_config_from_args(args: argparse.Namespace,
         enable_prefix_caching=args.enable_prefix_caching,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         enable_chunked_prefill=args.enable_chunked_prefill,
-        attention_backend=args.attention_backend, disable_log_stats=args.disable_log_stats)
+        attention_backend=args.attention_backend, disable_log_stats=args.disable_log_stats,
+        threads=args.threads)

@@ -28,6 +28,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """Generate and print; returns the exit code (invalid input raises, and ``nybble``
     turns that into one error line and exit code 2)."""
+    from nybble.runtime.torch_threads import setup_threads
+
+    args.threads = setup_threads(args.threads)  # NOTE: before torch is imported (next line)
     from nybble.runtime.llm import LLM
     from nybble.sampling_params import SamplingParams
 

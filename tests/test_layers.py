@@ -39,7 +39,7 @@ def test_import_contracts_hold() -> None:
 
 def test_contracts_pin_every_layer_without_exceptions() -> None:
     contracts = {c["id"]: c for c in _contracts()}
-    assert set(contracts) == {"layers", "torch-free-core"}
+    assert set(contracts) == {"layers", "torch-free-core", "torch-free-api"}
     for c in contracts.values():
         assert not c.get("ignore_imports"), f"contract {c['id']} lists exceptions"
     layers = contracts["layers"]
@@ -70,10 +70,13 @@ def test_contracts_fail_on_upward_imports(tmp_path) -> None:
         f.write("\nimport torch\n")
     with open(os.path.join(pkg, "_unlayered.py"), "w") as f:
         f.write("X = 1\n")
+    with open(os.path.join(pkg, "runtime", "tokenizer.py"), "a") as f:
+        f.write("\ndef _convert():\n    from nybble.runtime import hf_tokenizer\n")
     proc = _lint_imports(str(tmp_path), str(tmp_path))
     out = " ".join(proc.stdout.split())  # the report wraps long lines
     assert proc.returncode == 1, out
-    assert "0 kept, 2 broken" in out
+    assert "0 kept, 3 broken" in out
+    assert "nybble.runtime.tokenizer -> nybble.runtime.hf_tokenizer" in out
     assert "nybble.kernels._upward -> nybble.models.linear" in out
     assert "nybble.quantize._sibling -> nybble.server.app" in out
     assert "nybble.runtime.batch -> torch" in out

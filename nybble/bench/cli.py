@@ -6,6 +6,10 @@ from typing import Any
 
 
 def _throughput(args: argparse.Namespace) -> int:
+    from nybble.runtime.torch_threads import setup_threads
+
+    # NOTE: before torch is imported; --threads (an engine flag) applies to both backends
+    args.threads = setup_threads(args.threads)
     from nybble.bench.throughput import run_throughput, throughput_config_from_args
 
     run_throughput(throughput_config_from_args(args))

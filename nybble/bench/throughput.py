@@ -19,6 +19,7 @@ from nybble.bench.models import model_max_len, model_vocab_size, resolve_model
 from nybble.bench.report import print_table, write_json
 from nybble.bench.stats import BackendResult
 from nybble.bench.workloads import BenchRequest, WorkloadConfig, build_requests, describe
+from nybble.threads import resolve_threads
 
 logger = logging.getLogger(__name__)
 
@@ -154,8 +155,6 @@ def add_throughput_args(parser: argparse.ArgumentParser) -> None:
                              "(default: --max-num-seqs)")
     parser.add_argument("--num-runs", type=int, default=1,
                         help="runs per cap and backend; the median run is reported")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads for both backends (default: torch's default)")
     parser.add_argument("--no-warmup", dest="warmup", action="store_false")
     parser.add_argument("--output", "-o", default=None, help="write the results as JSON here")
     add_workload_args(parser)
@@ -187,8 +186,6 @@ def workload_from_args(args: argparse.Namespace, model: str, num: int) -> Worklo
 
 def throughput_config_from_args(args: argparse.Namespace) -> ThroughputConfig:
     """Build the :class:`ThroughputConfig` from parsed flags (engine flags included)."""
-    import torch
-
     from nybble.engine_args import engine_config_from_args
 
     args.model = resolve_model(args.model)
@@ -204,5 +201,5 @@ def throughput_config_from_args(args: argparse.Namespace) -> ThroughputConfig:
     return ThroughputConfig(model=model, backend=args.backend, batch_caps=caps,
                             workload=workload_from_args(args, model, args.num_prompts),
                             engine_kwargs=kwargs, dtype=args.dtype,
-                            threads=args.threads or torch.get_num_threads(),
+                            threads=resolve_threads(args.threads)[0],
                             num_runs=args.num_runs, warmup=args.warmup, output=args.output)

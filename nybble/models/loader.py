@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig
 
-from nybble.config import ModelConfig
+from nybble.config import ModelConfig, check_model_dir
 from nybble.errors import UnsupportedModelError
 from nybble.kernels.interface import AttentionBackend
 from nybble.models.linear import dense_linear_factory
@@ -57,20 +57,6 @@ class LoadedModel:
     quant_description: str
     weight_bytes: int
     linear_weight_bytes: int
-
-
-def check_model_dir(model_dir: str) -> None:
-    """Fail early, with a clear message, unless ``model_dir`` is a local model folder.
-
-    Raises:
-        UnsupportedModelError: no such folder, or no ``config.json`` in it.
-    """
-    if not os.path.isfile(os.path.join(model_dir, "config.json")):
-        what = "has no config.json" if os.path.isdir(model_dir) else "does not exist"
-        raise UnsupportedModelError(
-            f"model must be a local Hugging Face model folder (config.json, *.safetensors, "
-            f"tokenizer files), got {model_dir!r}, which {what}; nybble does not download "
-            f"from model hubs")
 
 
 def _weight_files(model_dir: str) -> list[str]:

@@ -5,10 +5,14 @@ import argparse
 import json
 import logging
 
+from nybble.runtime.torch_threads import setup_threads
+from nybble.threads import add_threads_arg
+
 logger = logging.getLogger(__name__)
 
 
 def _quantize(args: argparse.Namespace) -> int:
+    setup_threads(args.threads)  # NOTE: before torch is imported (next line)
     from nybble.quantize.driver import QuantizeOptions, quantize_model
 
     text = None
@@ -30,6 +34,7 @@ def _quantize(args: argparse.Namespace) -> int:
 
 
 def _eval_ppl(args: argparse.Namespace) -> int:
+    setup_threads(args.threads)  # NOTE: before torch is imported
     from transformers import AutoTokenizer
 
     from nybble.quantize.eval_ppl import nybble_logits_fn, perplexity
@@ -66,6 +71,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     q.add_argument("--seq-len", type=int, default=256, help="tokens per calibration sequence")
     q.add_argument("--no-clip", action="store_true", help="AWQ: skip the clipping search")
     q.add_argument("--out", required=True, help="output model folder")
+    add_threads_arg(q)
     q.set_defaults(func=_quantize)
 
     e = subparsers.add_parser(
@@ -82,4 +88,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                    help="tokens a window advances; each window scores only new tokens")
     e.add_argument("--max-paragraphs", type=int, default=None,
                    help="score only the first N paragraphs")
+    add_threads_arg(e)
     e.set_defaults(func=_eval_ppl)

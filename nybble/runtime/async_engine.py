@@ -1,56 +1,77 @@
-"""AsyncEngine: drive one :class:`LLMEngine` from a background thread for an asyncio server.
+"""AsyncEngine: the API process's side of the engine, on the server's event loop.
 
-Threading model (the event loop never blocks on a model step):
+The engine core (scheduler, model runner, busy loop) runs in its own process
+(:mod:`nybble.runtime.core_process`); this object is everything the API process keeps:
 
-- One engine thread owns the ``LLMEngine``; every engine call (``add_request``,
-  ``abort_request``, ``step``, ``get_stats``) happens on it. Other threads send it commands
-  through a list guarded by a ``threading.Condition`` and wait on a
-  ``concurrent.futures.Future``.
-- The thread drains the commands, then runs one ``step()`` while there is work, so requests
-  that arrive while others decode join the batch at the next step (continuous batching).
-  With no work it sleeps on the condition.
-- Each request's cumulative ``RequestOutput`` snapshots go to its ``asyncio.Queue`` through
-  ``loop.call_soon_threadsafe``; :class:`RequestStream` is the handler's async iterator.
-- Requests arrive already checked by the engine's request gate (``engine.input_processor``,
-  called on the caller's thread). A failing ``add_request`` fails only that request's future.
-  A failing ``step()`` fails the streams in flight and aborts them; the thread keeps running.
+- the output side (:class:`OutputProcessor`: detokenizer, stop strings, cumulative
+  :class:`RequestOutput` snapshots) and one :class:`RequestStream` per request;
+- an output task that receives the core's messages (:class:`CoreClient`): each step's
+  :class:`EngineCoreOutputs` is detokenized and pushed to the streams, a stop-string match
+  goes back to the core as a finish (vLLM V1 does the same with an abort), and a
+  :class:`StepRecord` goes to the metrics observer;
+- health: when the core process exits (or reports that it can no longer step) every request
+  in flight gets :class:`EngineDeadError`, and so does every new one;
+- graceful shutdown: :meth:`begin_shutdown` refuses new requests and ends every request in
+  flight at once, as aborted (streams end with ``finish_reason: "abort"``; a caller waiting
+  for a whole response gets :class:`EngineShutdownError`).
+
+Requests arrive already checked by the request gate (``InputProcessor``, run by the caller in
+this process). Everything here runs on the event loop's thread.
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import logging
-import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable
+from typing import Any
 
+from nybble.errors import InvalidRequestError, NybbleError
 from nybble.outputs import RequestOutput
-
-if TYPE_CHECKING:
-    from nybble.runtime.engine import LLMEngine
-    from nybble.runtime.messages import EngineCoreRequest
+from nybble.runtime.core_client import CoreClient
+from nybble.runtime.messages import (
+    EngineCoreFatal,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineStats,
+    RequestsFailed,
+    UtilityResult,
+)
+from nybble.runtime.output_processor import OutputProcessor
+from nybble.runtime.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
 
+class EngineDeadError(NybbleError):
+    """The engine core is gone (it exited, or can no longer step): HTTP 503."""
+
+
+class EngineShutdownError(NybbleError):
+    """The server is shutting down: HTTP 503."""
+
+
+class EngineRequestError(NybbleError):
+    """The engine core failed this request (a failed step): HTTP 500."""
+
+
 @dataclasses.dataclass(slots=True)
 class StepRecord:
-    """What one engine step (or an idle check) produced, for metrics observers.
+    """What one engine step (or the core going idle) produced, for metrics observers.
 
     Attributes:
         outputs: cumulative snapshots of the requests that changed in the step.
-        stats: ``engine.get_stats()`` after the step.
+        stats: the core's counters after the step.
         prompt_tokens: prompt tokens of requests that got their first token in the step.
         generation_tokens: tokens generated in the step (all samples of all requests).
         first_token_ids: request ids that got their first token in the step.
         itl: per request with new tokens (after its first), seconds since its previous tokens.
-        now: ``time.monotonic()`` at the end of the step (seconds).
+        now: ``time.monotonic()`` when the step's outputs were processed (seconds).
     """
 
     outputs: list[RequestOutput]
-    stats: Any
+    stats: EngineStats | None
     prompt_tokens: int = 0
     generation_tokens: int = 0
     first_token_ids: list[str] = dataclasses.field(default_factory=list)
@@ -64,15 +85,19 @@ StepObserver = Callable[[StepRecord], None]
 class RequestStream:
     """Async iterator over one request's cumulative :class:`RequestOutput` snapshots.
 
-    It ends after the snapshot with ``finished=True``. If the engine fails while the request
-    runs, iteration raises that error.
+    It ends after the snapshot with ``finished=True``. If the engine fails the request,
+    iteration raises that error. :attr:`error` is set when the request was ended from outside
+    (server shutdown): its last snapshot is an ``"abort"``, and a caller that needs a whole
+    response raises :attr:`error` instead.
     """
 
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, request_id: str) -> None:
         self.request_id = request_id
-        self.loop = loop
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.finished = False
+        self.error: NybbleError | None = None
+        self.num_tokens = 0                        # tokens seen so far (all samples)
+        self.last_token_time: float | None = None
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -88,72 +113,91 @@ class RequestStream:
         return item
 
     def push(self, item: RequestOutput | BaseException) -> None:
-        """Hand ``item`` to the stream's event loop (callable from any thread)."""
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # NOTE: the loop is closed (server shut down); nobody listens
-            pass
-
-
-@dataclasses.dataclass(slots=True)
-class _Tracked:
-    """Engine-thread bookkeeping of one request (for token counts and ITL)."""
-
-    stream: RequestStream
-    num_tokens: int = 0
-    last_token_time: float | None = None
+        """Hand ``item`` to the stream's reader."""
+        self.queue.put_nowait(item)
 
 
 class AsyncEngine:
-    """Run ``engine.step()`` on a background thread and stream outputs to asyncio handlers.
+    """The engine as the server sees it (see the module's docstring).
 
     Args:
-        engine: the engine; after :meth:`start`, only the engine thread touches it.
-        observer: called on the engine thread after every step and once when the engine goes
-            idle (metrics); must be quick and must not raise.
+        client: the started engine-core process.
+        tokenizer: the model's tokenizer (detokenization).
+        observer: called after every step and when the core goes idle (metrics); must be
+            quick and must not raise.
         log_stats: log a stats line every ``stats_interval_s`` seconds while busy.
         stats_interval_s: seconds between stats lines.
     """
 
-    def __init__(self, engine: LLMEngine, observer: StepObserver | None = None,
-                 log_stats: bool = True, stats_interval_s: float = 5.0) -> None:
-        self.engine = engine
+    def __init__(self, client: CoreClient, tokenizer: Tokenizer,
+                 observer: StepObserver | None = None, log_stats: bool = True,
+                 stats_interval_s: float = 5.0) -> None:
+        self.client = client
+        self.output_processor = OutputProcessor(tokenizer)
         self.observer = observer
         self.log_stats = log_stats
         self.stats_interval_s = stats_interval_s
-        self._cond = threading.Condition()
-        self._commands: list[tuple[Callable[[], Any], Future[Any]]] = []
-        self._tracked: dict[str, _Tracked] = {}
-        self._thread: threading.Thread | None = None
-        self._stop = False
+        self._streams: dict[str, RequestStream] = {}
+        self._calls: dict[int, asyncio.Future[Any]] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._dead: str | None = None          # why the engine is dead, once it is
+        self._closing = False
         self._window = [time.monotonic(), 0, 0]   # start (s), prompt tokens, generation tokens
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
-        """Start the engine thread (idempotent)."""
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="nybble-engine", daemon=True)
-            self._thread.start()
+        """Start the output task on the running loop (idempotent)."""
+        if self._task is None:
+            self.client.on_exit = self._on_core_exit
+            self.client.watch()
+            self._task = asyncio.create_task(self._output_loop(), name="nybble-outputs")
 
-    def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the engine thread after its current step (waits up to ``timeout`` seconds)."""
-        with self._cond:
-            self._stop = True
-            self._cond.notify()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            self._thread = None
+    async def shutdown(self) -> None:
+        """End every request (:meth:`begin_shutdown`) and stop the core process."""
+        self.begin_shutdown()
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+        await self.client.shutdown()
+
+    def begin_shutdown(self) -> None:
+        """Refuse new requests; end every request in flight now (idempotent).
+
+        Streams get a last snapshot whose unfinished samples end with ``"abort"``; their
+        :attr:`RequestStream.error` says why. The core is told to drop them.
+        """
+        if self._closing:
+            return
+        self._closing = True
+        for request_id, stream in list(self._streams.items()):
+            final = self.output_processor.abort_request(request_id)
+            stream.error = EngineShutdownError("the server is shutting down; the request was "
+                                               "aborted")
+            stream.push(final if final is not None else stream.error)
+            self.client.abort(request_id)
+        self._streams.clear()
+        self.client.flush()
+
+    @property
+    def is_healthy(self) -> bool:
+        """Whether the engine core is alive and able to step (``/health``)."""
+        return self._dead is None and self.client.alive
 
     @property
     def is_running(self) -> bool:
-        """Whether the engine thread is alive."""
-        return self._thread is not None and self._thread.is_alive()
+        """Healthy and not shutting down."""
+        return self.is_healthy and not self._closing
 
-    # ---- API for the event loop -----------------------------------------------------------
+    # ---- API for the handlers --------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        if self._closing:
+            raise EngineShutdownError("the server is shutting down")
+
     async def add_request(self, request: EngineCoreRequest,
                           prompt: str | None = None) -> RequestStream:
-        """Submit a request the engine's gate has processed (``engine.input_processor``, on
-        the caller's thread); returns its stream once the engine has accepted it.
+        """Submit a request the gate has processed; returns its stream.
 
         Args:
             request: its ``arrival_time`` is when the HTTP request arrived, so TTFT and queue
@@ -161,127 +205,151 @@ class AsyncEngine:
             prompt: the prompt's text, if it had one.
 
         Raises:
-            InvalidRequestError: the engine rejected the request (its message is kept).
+            InvalidRequestError: the request id is already in flight.
+            EngineDeadError: the engine core is gone.
+            EngineShutdownError: the server is shutting down.
         """
-        request_id = request.request_id
-        stream = RequestStream(request_id, asyncio.get_running_loop())
+        return self.add_requests([request], [prompt])[0]
 
-        def add() -> None:
-            self.engine.add_core_request(request, prompt)
-            self._tracked[request_id] = _Tracked(stream)
+    def add_requests(self, requests: list[EngineCoreRequest],
+                     prompts: list[str | None]) -> list[RequestStream]:
+        """Submit several gated requests at once (one message to the core); all or none.
 
-        await asyncio.wrap_future(self._submit(add))
-        return stream
+        Raises:
+            InvalidRequestError, EngineDeadError, EngineShutdownError: as
+                :meth:`add_request`; nothing is submitted then.
+        """
+        self._check_open()
+        seen: set[str] = set()
+        for r in requests:
+            self.output_processor.check_new(r.request_id)
+            if r.request_id in seen:
+                raise InvalidRequestError(f"request_id must be unique, got {r.request_id!r} "
+                                          f"twice")
+            seen.add(r.request_id)
+        streams = []
+        for request, prompt in zip(requests, prompts):
+            self.output_processor.add_request(request, prompt)
+            stream = RequestStream(request.request_id)
+            self._streams[request.request_id] = stream
+            streams.append(stream)
+            self.client.add_request(request)
+        return streams
 
     def abort(self, request_id: str) -> None:
-        """Abort a request (no-op if it already finished); its blocks are freed by the engine.
-
-        Safe to call from any thread; does not wait.
-        """
-        def abort() -> None:
-            if self._tracked.pop(request_id, None) is not None:
-                try:
-                    self.engine.abort_request(request_id)
-                except Exception:  # NOTE: nobody waits on this future; log instead
-                    logger.exception("abort of %s failed", request_id)
-
-        self._submit(abort)
-
-    async def get_stats(self) -> Any:
-        """``engine.get_stats()``, read on the engine thread between steps."""
-        return await asyncio.wrap_future(self._submit(self.engine.get_stats))
-
-    def _submit(self, fn: Callable[[], Any]) -> Future[Any]:
-        fut: Future[Any] = Future()
-        with self._cond:
-            if self._stop:
-                fut.set_exception(RuntimeError("the engine is shut down"))
-                return fut
-            self._commands.append((fn, fut))
-            self._cond.notify()
-        return fut
-
-    # ---- engine thread ---------------------------------------------------------------------
-    def _run(self) -> None:
-        idle_reported = False
-        while True:
-            with self._cond:
-                while (not self._stop and not self._commands and idle_reported
-                       and not self._has_work()):
-                    self._cond.wait()
-                if self._stop:
-                    break
-                commands, self._commands = self._commands, []
-            for fn, fut in commands:
-                try:
-                    fut.set_result(fn())
-                except Exception as exc:  # noqa: BLE001 -- one bad request must not stop the loop
-                    fut.set_exception(exc)
-            if self._has_work():
-                if idle_reported:   # NOTE: busy again: rates count from now, not from idle
-                    self._window = [time.monotonic(), 0, 0]
-                idle_reported = False
-                self._step()
-            elif not idle_reported:
-                # NOTE: one record after the last step, so gauges return to 0 when idle
-                self._notify(StepRecord([], self.engine.get_stats(), now=time.monotonic()))
-                idle_reported = True
-        self._fail_all(RuntimeError("the engine was shut down"))
-        with self._cond:
-            commands, self._commands = self._commands, []
-        for _, fut in commands:
-            fut.set_exception(RuntimeError("the engine was shut down"))
-
-    def _has_work(self) -> bool:
-        return bool(self.engine.has_unfinished_requests())
-
-    def _step(self) -> None:
-        try:
-            outputs = self.engine.step()
-        except Exception as exc:
-            logger.exception("engine step failed; aborting the requests in flight")
-            self._fail_all(exc)
+        """Abort a request (no-op if it already finished); the core frees its KV blocks."""
+        if self._streams.pop(request_id, None) is None:
             return
-        record = StepRecord([], None, now=time.monotonic())
-        for out in outputs:
-            tracked = self._tracked.get(out.request_id)
-            if tracked is None:      # aborted meanwhile
-                continue
-            # NOTE: the engine's RequestOutputs are snapshots (copies), safe to hand over
-            self._account(tracked, out, record)
-            record.outputs.append(out)
-            if out.finished:
-                del self._tracked[out.request_id]
-            tracked.stream.push(out)
-        record.stats = self.engine.get_stats()
-        self._notify(record)
-        self._maybe_log(record)
+        self.output_processor.abort_request(request_id)
+        if self.client.alive:
+            self.client.abort(request_id)
 
-    def _account(self, tracked: _Tracked, out: RequestOutput, record: StepRecord) -> None:
+    async def get_stats(self) -> EngineStats:
+        """The core's counters, read between two of its steps (after everything sent
+        before this call was applied).
+
+        Raises:
+            EngineDeadError: the engine core is gone.
+        """
+        if self._dead is not None or not self.client.alive:
+            raise EngineDeadError(self._dead or "the engine core is not running")
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._calls[self.client.call("get_stats")] = future
+        result: EngineStats = await future
+        return result
+
+    # ---- output task -----------------------------------------------------------------------
+    async def _output_loop(self) -> None:
+        while True:
+            msg = await self.client.recv()
+            try:
+                self._dispatch(msg)
+            except Exception:  # noqa: BLE001 -- keep serving; fail what was in flight
+                logger.exception("processing the engine core's %s failed", type(msg).__name__)
+                self._fail(list(self._streams), EngineRequestError,
+                           "internal error while processing the engine's outputs")
+
+    def _dispatch(self, msg: object) -> None:
+        if isinstance(msg, EngineCoreOutputs):
+            self._on_outputs(msg)
+        elif isinstance(msg, UtilityResult):
+            future = self._calls.pop(msg.call_id, None)
+            if future is not None and not future.done():  # NOTE: its caller may be gone
+                if msg.error is not None:
+                    future.set_exception(EngineRequestError(msg.error))
+                else:
+                    future.set_result(msg.result)
+        elif isinstance(msg, RequestsFailed):
+            self._fail(msg.request_ids, EngineRequestError, msg.message)
+        elif isinstance(msg, EngineCoreFatal):
+            logger.error("the engine core can no longer step: %s", msg.message)
+            self._mark_dead(f"the engine can no longer step: {msg.message}")
+
+    def _on_outputs(self, core: EngineCoreOutputs) -> None:
+        record = StepRecord([], core.stats, now=time.monotonic())
+        if core.request_ids:
+            outputs, stopped = self.output_processor.process_outputs(core)
+            for rid, index in stopped:
+                self.client.finish_sample(rid, index)
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is None:
+                    continue
+                self._account(stream, out, record)
+                record.outputs.append(out)
+                if out.finished:
+                    del self._streams[out.request_id]
+                stream.push(out)
+        self._notify(record)
+        if record.outputs:
+            self._maybe_log(record)
+        else:   # NOTE: the core went idle: rates count from its next busy period
+            self._window = [record.now, 0, 0]
+
+    def _account(self, stream: RequestStream, out: RequestOutput, record: StepRecord) -> None:
         """Count new tokens, first tokens and inter-token gaps of one request's snapshot."""
         num_tokens = sum(len(o.token_ids) for o in out.outputs)
-        new = num_tokens - tracked.num_tokens
+        new = num_tokens - stream.num_tokens
         if new <= 0:
             return
-        tracked.num_tokens = num_tokens
+        stream.num_tokens = num_tokens
         record.generation_tokens += new
         now = (out.metrics.last_token_time if out.metrics is not None
                and out.metrics.last_token_time is not None else record.now)
-        if tracked.last_token_time is None:
+        if stream.last_token_time is None:
             record.first_token_ids.append(out.request_id)
             record.prompt_tokens += len(out.prompt_token_ids)
         else:
-            record.itl.append(max(0.0, now - tracked.last_token_time))
-        tracked.last_token_time = now
+            record.itl.append(max(0.0, now - stream.last_token_time))
+        stream.last_token_time = now
 
-    def _fail_all(self, exc: BaseException) -> None:
-        for request_id, tracked in list(self._tracked.items()):
-            tracked.stream.push(exc)
-            try:
-                self.engine.abort_request(request_id)
-            except Exception:  # NOTE: already failing; keep releasing the others
-                logger.exception("abort of %s failed", request_id)
-        self._tracked.clear()
+    # ---- failures --------------------------------------------------------------------------
+    def _fail(self, request_ids: Iterable[str], error: type[NybbleError], message: str) -> None:
+        """End ``request_ids`` with a fresh ``error(message)`` each (one clean error per
+        request, no shared traceback)."""
+        for rid in request_ids:
+            stream = self._streams.pop(rid, None)
+            self.output_processor.abort_request(rid)
+            if stream is not None:
+                stream.push(error(message))
+            if self.client.alive:
+                self.client.abort(rid)
+
+    def _on_core_exit(self, code: int) -> None:
+        if not self._closing:
+            logger.error("the engine core process exited with code %d", code)
+        self._mark_dead(f"the engine core process exited (code {code})")
+
+    def _mark_dead(self, why: str) -> None:
+        if self._dead is not None:
+            return
+        self._dead = why
+        if not self._closing:
+            self._fail(list(self._streams), EngineDeadError, why)
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(EngineDeadError(why))
+        self._calls.clear()
 
     def _notify(self, record: StepRecord) -> None:
         if self.observer is not None:
@@ -296,7 +364,7 @@ class AsyncEngine:
         elapsed = record.now - self._window[0]
         if elapsed < self.stats_interval_s:
             return
-        if self.log_stats:
+        if self.log_stats and record.stats is not None:
             s = record.stats
             logger.info(
                 "running: %d reqs, waiting: %d reqs, prompt throughput: %.1f tokens/s, "

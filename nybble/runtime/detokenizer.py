@@ -1,11 +1,11 @@
 """Incremental detokenization and stop-string matching for one sample.
 
-Method (as vLLM's incremental detokenizer): keep two offsets into the token list. The text of
-``ids[prefix_offset:read_offset]`` is already emitted; decoding ``ids[prefix_offset:]`` and
-subtracting it gives the new text. Decoding from a few tokens back keeps sentencepiece's
-leading spaces (a lone ``▁Once`` decodes to ``Once``, but after ``,`` it is `` Once``), and a
-delta ending in U+FFFD (an incomplete multi-byte UTF-8 character split over byte-fallback
-tokens) is held back until the character completes.
+Method: the ``tokenizers`` library's streaming decoder (``DecodeStream``), primed with the
+last few prompt tokens, turns each new token into the text it adds after what came before,
+in O(1) work per token (it re-decodes only a short window, not the whole output). Priming
+keeps sentencepiece's leading spaces (a lone ``▁Once`` decodes to ``Once``, but after ``,``
+it is `` Once``); a token that ends inside a multi-byte UTF-8 character (byte-fallback
+tokens) yields nothing until the character completes, so no piece holds half a character.
 
 Stop strings: the last ``max(len(stop)) - 1`` characters are held back while running, so
 streamed pieces never contain text that a stop string later removes; the concatenation of all
@@ -13,50 +13,44 @@ deltas equals the final text.
 """
 from __future__ import annotations
 
-from transformers import PreTrainedTokenizerBase
+from collections.abc import Sequence
 
-_PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded with the first output token
+from nybble.runtime.tokenizer import Tokenizer
+
+_PROMPT_CONTEXT_TOKENS = 5  # prompt tokens that prime the stream (leading-space context)
 
 
 class IncrementalDetokenizer:
     """Turns one sample's token stream into text deltas.
 
     Args:
-        tokenizer: the model's transformers tokenizer.
+        tokenizer: the model's tokenizer.
         prompt_ids: the prompt's token ids (context for the first output token's spacing).
         stop: stop strings (excluded from the text).
         skip_special_tokens: drop special tokens (BOS/EOS...) from the text.
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_ids: list[int],
-                 stop: list[str], skip_special_tokens: bool = True) -> None:
-        self.tokenizer = tokenizer
-        self.ids = list(prompt_ids[-_PROMPT_CONTEXT_TOKENS:])
-        self.prefix_offset = 0
-        self.read_offset = len(self.ids)
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], stop: list[str],
+                 skip_special_tokens: bool = True) -> None:
+        self._stream = tokenizer.text_stream(prompt_ids[-_PROMPT_CONTEXT_TOKENS:],
+                                             skip_special_tokens)
         self.stop = stop
-        self.skip_special_tokens = skip_special_tokens
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.text = ""  # all decoded output text (may include held-back characters)
         self.emitted = 0  # characters of self.text already returned as deltas
         self.stop_reason: str | None = None
 
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
-                                     clean_up_tokenization_spaces=False)
-
     def add_token(self, token_id: int) -> None:
-        """Append one generated token; sets :attr:`stop_reason` if a stop string appears."""
-        self.ids.append(token_id)
-        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self._decode(self.ids[self.prefix_offset:])
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+        """Append one generated token; sets :attr:`stop_reason` if a stop string appears
+        (tokens after that are ignored)."""
+        if self.stop_reason is not None:
+            return
+        new = self._stream.step(token_id)
+        if not new:
             return  # nothing new, or an incomplete UTF-8 character: wait for more tokens
-        new = full[len(prefix):]
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         start = max(len(self.text) - self.hold, 0)
         self.text += new
-        if self.stop and self.stop_reason is None:
+        if self.stop:
             self._match_stop(start)
 
     def _match_stop(self, start: int) -> None:

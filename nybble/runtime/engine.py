@@ -10,37 +10,35 @@ Continuous (iteration-level) batching as in Orca (Yu et al., OSDI 2022) over a p
 - :class:`OutputProcessor` turns token ids into text, applies stop strings and reports
   cumulative :class:`RequestOutput` objects (vLLM's API).
 
-The parts talk only through those typed messages, so the core can later run in its own process.
+The parts talk only through those typed messages. Here the core runs in-process (offline
+``LLM``); ``nybble serve`` runs the same :class:`EngineCore` in its own process
+(:mod:`nybble.runtime.core_process`) behind the same messages.
 """
 from __future__ import annotations
 
-import logging
-import os
 from collections.abc import Sequence
 from typing import Any
 
-from transformers import AutoTokenizer
-
 from nybble.config import EngineConfig
-from nybble.models.loader import LoadedModel, check_model_dir
+from nybble.models.loader import LoadedModel
 from nybble.outputs import RequestOutput
-from nybble.runtime.engine_core import EngineCore, EngineStats
+from nybble.runtime.engine_core import EngineCore
+from nybble.runtime.hf_tokenizer import load_tokenizer
 from nybble.runtime.input_processor import DEFAULT_NAMES, InputProcessor, ParamNames
 from nybble.runtime.kv_cache import KVCacheSpec
-from nybble.runtime.messages import EngineCoreRequest
+from nybble.runtime.messages import EngineCoreRequest, EngineStats
 from nybble.runtime.output_processor import OutputProcessor
 from nybble.runtime.request import Request
 from nybble.runtime.scheduler import Scheduler
 from nybble.sampling_params import SamplingParams
-
-logger = logging.getLogger(__name__)
+from nybble.runtime.torch_threads import apply_torch_threads
 
 __all__ = ["EngineStats", "LLMEngine"]
 
 
 class LLMEngine:
     """The engine: add requests, call :meth:`step` until :meth:`has_unfinished_requests` is
-    false. Not thread-safe: drive it from one thread (``AsyncEngine`` does this for the server).
+    false. Not thread-safe: drive it from one thread.
 
     Raises (constructor):
         UnsupportedModelError: the model folder cannot be served.
@@ -50,13 +48,10 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         mc = config.model_config
-        check_model_dir(mc.model)
-        if mc.tokenizer is not None and not os.path.isdir(mc.tokenizer):
-            raise ValueError(f"tokenizer must be a local folder, got {mc.tokenizer!r}")
-        self.tokenizer = AutoTokenizer.from_pretrained(mc.tokenizer or mc.model)
-        # NOTE: the request gate enforces max_model_len; the tokenizer's own limit would only
-        # log a misleading "indexing errors" warning for prompts that are then rejected.
-        self.tokenizer.model_max_length = 1 << 62
+        mc.check_folders()
+        self.tokenizer, _ = load_tokenizer(mc.tokenizer_folder)
+        if config.threads is not None:
+            apply_torch_threads(config.threads, "threads")
         self.engine_core = EngineCore(config)
         core = self.engine_core
         self.input_processor = InputProcessor(self.tokenizer, core.request_limits(),
@@ -65,17 +60,6 @@ class LLMEngine:
         self.model_name = mc.name
         self.max_model_len = core.max_model_len
         self.vocab_size = core.loaded.shape.vocab_size
-        loaded, spec = core.loaded, core.kv_spec
-        logger.info("model %s (%s), dtype %s, device %s, quantization %s, weights %d bytes "
-                    "(%.2f MiB; linear layers %d bytes)", self.model_name, mc.model,
-                    str(loaded.dtype).replace("torch.", ""), core.device,
-                    loaded.quant_description, loaded.weight_bytes,
-                    loaded.weight_bytes / 2**20, loaded.linear_weight_bytes)
-        logger.info("KV cache: %d blocks x %d tokens, %d bytes/block, %.2f MiB in all; "
-                    "max_model_len %d; prefix caching %s", spec.num_blocks,
-                    spec.block_size, spec.bytes_per_block,
-                    spec.total_bytes / 2**20, self.max_model_len,
-                    "on" if config.cache_config.enable_prefix_caching else "off")
 
     @classmethod
     def from_engine_args(cls, model: str | None = None, **kwargs: Any) -> LLMEngine:

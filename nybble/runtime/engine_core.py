@@ -15,45 +15,21 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from nybble.config import EngineConfig
+from nybble.config import EngineConfig, check_model_dir
 from nybble.kernels import get_attention_backend
 from nybble.models.loader import LoadedModel, load_model
-from nybble.runtime.input_processor import RequestLimits
 from nybble.runtime.kv_cache import plan_kv_cache
-from nybble.runtime.messages import EngineCoreOutputs, EngineCoreRequest
+from nybble.runtime.messages import (
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineStats,
+    RequestLimits,
+)
 from nybble.runtime.model_runner import ModelRunner
 from nybble.runtime.request import FinishReason
 from nybble.runtime.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """A snapshot of the engine's load (all counts are sequences, blocks or tokens).
-
-    ``kv_cache_usage`` is the fraction of KV blocks in use (0..1; parked prefix-cache blocks
-    count as free); ``num_live_tokens`` the tokens whose K/V the sequences of the last step
-    still hold (the sum of their ``seq_lens``, less those that finished), for KV-waste figures:
-    ``1 - num_live_tokens / (used_blocks * block_size)``. With prefix caching,
-    ``num_cached_tokens_total`` counts the tokens admitted sequences found in the cache (not
-    computed) and ``prefix_cache_hit_rate`` is that over the tokens of the sequences admitted
-    (0 when caching is off or nothing was admitted).
-    """
-
-    num_running: int
-    num_waiting: int
-    num_free_blocks: int
-    num_blocks: int
-    kv_cache_usage: float
-    num_preemptions: int
-    peak_num_seqs_in_step: int
-    num_steps: int
-    num_live_tokens: int
-    block_size: int
-    num_cached_tokens_total: int = 0
-    num_prefix_query_tokens_total: int = 0
-    prefix_cache_hit_rate: float = 0.0
 
 
 def _resolve_device(name: str) -> torch.device:
@@ -62,6 +38,10 @@ def _resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise ValueError("device must be 'cpu' or 'auto' on a machine without CUDA, got 'cuda'")
     return torch.device(name)
+
+
+def _as_list(array: np.ndarray | None) -> list | None:
+    return None if array is None else array.tolist()
 
 
 @dataclass(slots=True)
@@ -85,6 +65,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         mc = config.model_config
+        check_model_dir(mc.model)
         self.device = _resolve_device(mc.device)
         backend = get_attention_backend(config.attention_backend, self.device)
         self.loaded: LoadedModel = load_model(mc, backend, self.device)
@@ -105,6 +86,20 @@ class EngineCore:
         self._last_ids = np.zeros(0, np.int64)      # the last step's sequences and seq_lens
         self._last_lens = np.zeros(0, np.int32)
         self._last_finished: list[int] = []
+        self._log_start_up()
+
+    def _log_start_up(self) -> None:
+        mc, loaded, spec = self.config.model_config, self.loaded, self.kv_spec
+        logger.info("model %s (%s), dtype %s, device %s, quantization %s, weights %d bytes "
+                    "(%.2f MiB; linear layers %d bytes)", mc.name, mc.model,
+                    str(loaded.dtype).replace("torch.", ""), self.device,
+                    loaded.quant_description, loaded.weight_bytes,
+                    loaded.weight_bytes / 2**20, loaded.linear_weight_bytes)
+        logger.info("KV cache: %d blocks x %d tokens, %d bytes/block, %.2f MiB in all; "
+                    "max_model_len %d; prefix caching %s", spec.num_blocks,
+                    spec.block_size, spec.bytes_per_block,
+                    spec.total_bytes / 2**20, self.max_model_len,
+                    "on" if self.config.cache_config.enable_prefix_caching else "off")
 
     def request_limits(self) -> RequestLimits:
         """What the request gate checks requests against."""
@@ -155,12 +150,23 @@ class EngineCore:
             self.runner.remove_sequences(live)
 
     def stop_samples(self, samples: list[tuple[str, int]]) -> None:
-        """Finish samples ``(request_id, index)`` that a stop string ended (``STOPPED``)."""
+        """Finish samples ``(request_id, index)`` that a stop string ended (``STOPPED``).
+
+        Samples that already ended (their request finished or was aborted meanwhile, as can
+        happen when the output side runs in another process) are skipped.
+        """
         for rid, index in samples:
-            seq_id = self._requests[rid].first_seq_id + index
+            record = self._requests.get(rid)
+            seq_id = -1 if record is None else record.first_seq_id + index
+            if seq_id not in self._seqs:
+                continue
             self.scheduler.finish(seq_id, int(FinishReason.STOPPED))
             self._finish_seq(seq_id)
         self._note_live_tokens()
+
+    def request_ids(self) -> list[str]:
+        """The requests in the core (waiting or running)."""
+        return list(self._requests)
 
     def _finish_seq(self, seq_id: int) -> None:
         rid, _ = self._seqs.pop(seq_id)
@@ -185,9 +191,12 @@ class EngineCore:
         self._note_scheduled(batch.seq_ids, outputs)
         result = self.runner.execute(batch)
         seq_ids, tokens, finish = self.scheduler.update(batch, result.token_ids)
-        outputs.token_ids, outputs.finish_reasons = tokens, finish
-        outputs.logprobs = result.logprobs
-        outputs.top_token_ids, outputs.top_logprobs = result.top_token_ids, result.top_logprobs
+        # NOTE: plain lists: the message crosses a process boundary, and the API process
+        # does not import numpy
+        outputs.token_ids, outputs.finish_reasons = tokens.tolist(), finish.tolist()
+        outputs.logprobs = _as_list(result.logprobs)
+        outputs.top_token_ids = _as_list(result.top_token_ids)
+        outputs.top_logprobs = _as_list(result.top_logprobs)
         self._last_ids, self._last_lens = batch.seq_ids.copy(), batch.seq_lens.copy()
         self._last_finished = []
         for sid in seq_ids.tolist():

@@ -25,11 +25,13 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from nybble.errors import InvalidRequestError, KVCacheExhaustedError
-from nybble.runtime.messages import EngineCoreRequest
+from nybble.runtime.messages import EngineCoreRequest, RequestLimits
+from nybble.runtime.tokenizer import Tokenizer
 from nybble.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, sample_seed
+
+__all__ = ["DEFAULT_NAMES", "InputProcessor", "ParamNames", "RequestLimits"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,26 +51,6 @@ DEFAULT_NAMES = ParamNames()
 """vLLM's and the completions API's names."""
 
 
-@dataclass(frozen=True, slots=True)
-class RequestLimits:
-    """What the engine can serve, fixed at start-up.
-
-    Attributes:
-        max_model_len: longest sequence, prompt + output (tokens).
-        vocab_size: valid token ids are ``[0, vocab_size)``.
-        max_num_seqs: most sequences in one step (caps ``n``).
-        max_logprobs: largest ``logprobs`` a request may ask for.
-        num_kv_blocks, block_size: the KV pool (blocks, tokens per block).
-    """
-
-    max_model_len: int
-    vocab_size: int
-    max_num_seqs: int
-    max_logprobs: int
-    num_kv_blocks: int
-    block_size: int
-
-
 def _fail(name: str, allowed: str, value: object) -> InvalidRequestError:
     return InvalidRequestError(f"{name} must be {allowed}, got {value!r}", param=name)
 
@@ -85,12 +67,12 @@ class InputProcessor:
     """Turns ``(prompt, SamplingParams)`` into a validated :class:`EngineCoreRequest`.
 
     Args:
-        tokenizer: the model's transformers tokenizer (text prompts only).
+        tokenizer: the model's tokenizer (text prompts only).
         limits: the engine's limits.
         eos_token_ids: the model's EOS ids (stop ids unless ``ignore_eos``).
     """
 
-    def __init__(self, tokenizer: Any, limits: RequestLimits,
+    def __init__(self, tokenizer: Tokenizer, limits: RequestLimits,
                  eos_token_ids: Sequence[int]) -> None:
         self.tokenizer = tokenizer
         self.limits = limits
@@ -114,7 +96,7 @@ class InputProcessor:
         if isinstance(prompt, str):
             if not prompt:
                 raise _fail(names.prompt, "non-empty", prompt)
-            ids = list(self.tokenizer(prompt).input_ids)
+            ids = self.tokenizer.encode(prompt)
         else:
             ids = [int(t) for t in prompt]
         self.check_token_ids(ids, names.prompt)
@@ -154,8 +136,9 @@ class InputProcessor:
             raise _fail("temperature", "a finite number >= 0", p.temperature)
         if not _is_real(p.top_p) or not 0 < p.top_p <= 1:  # NOTE: NaN fails every comparison
             raise _fail("top_p", "in (0, 1]", p.top_p)
-        if not _is_int(p.top_k) or p.top_k < -1:
-            raise _fail("top_k", "-1 (disabled) or an integer >= 1", p.top_k)
+        if not _is_int(p.top_k) or not -1 <= p.top_k <= self.limits.vocab_size:
+            raise _fail("top_k", f"-1 (disabled) or an integer in [1, "
+                        f"{self.limits.vocab_size}] (the vocabulary)", p.top_k)
         if not _is_real(p.min_p) or not 0 <= p.min_p <= 1:
             raise _fail("min_p", "in [0, 1]", p.min_p)
         if p.seed is not None:

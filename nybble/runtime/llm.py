@@ -6,11 +6,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from tqdm import tqdm
-from transformers import PreTrainedTokenizerBase
 
 from nybble.config import EngineConfig
 from nybble.outputs import RequestOutput
 from nybble.runtime.engine import LLMEngine
+from nybble.runtime.tokenizer import Tokenizer
 from nybble.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]
@@ -54,8 +54,8 @@ class LLM:
         llm._counter = 0
         return llm
 
-    def get_tokenizer(self) -> PreTrainedTokenizerBase:
-        """The model's transformers tokenizer."""
+    def get_tokenizer(self) -> Tokenizer:
+        """The model's tokenizer (``encode``, ``decode``, ``apply_chat_template``)."""
         return self.llm_engine.tokenizer
 
     def generate(self, prompts: PromptType | Sequence[PromptType],

@@ -1,4 +1,4 @@
-"""The typed messages between the engine's three parts (vLLM V1's split).
+"""The typed messages between the engine's parts, and their wire format (vLLM V1's split).
 
 ::
 
@@ -6,20 +6,79 @@
     EngineCoreRequest ──> EngineCore (scheduler + model runner) ──> EngineCoreOutputs per step
     EngineCoreOutputs ──> OutputProcessor (detokenizer, stop strings) ──> RequestOutput
 
-The engine core deals in token ids only: no text, no tokenizer. Every field here is a plain
-value or a numpy array, so a message can cross a process boundary (msgpack) unchanged.
+The engine core deals in token ids only: no text, no tokenizer. In ``nybble serve`` the core
+runs in its own process and these messages cross a ZeroMQ socket as msgpack (``msgspec``):
+
+- API process -> core: :class:`CoreInputs` (new requests, stop-string finishes and aborts,
+  batched: everything queued during one event-loop turn goes in one message),
+  :class:`UtilityCall` (``get_stats``), :class:`Shutdown`;
+- core -> API process: :class:`EngineCoreReady` or :class:`EngineCoreStartupFailed` (the
+  handshake), then one :class:`EngineCoreOutputs` per step (token ids of every sampled
+  sequence, logprobs when asked, finish codes, the scheduler's counters),
+  :class:`UtilityResult`, :class:`RequestsFailed` and :class:`EngineCoreFatal`.
+
+Every field is a plain value, a list or a struct, so this module imports neither numpy nor
+torch (the API process imports it).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Union
 
-import numpy as np
+import msgspec
 
+from nybble.config import EngineConfig
 from nybble.sampling_params import SamplingParams
 
 
-@dataclass(frozen=True, slots=True)
-class EngineCoreRequest:
+class RequestLimits(msgspec.Struct, frozen=True):
+    """What the engine can serve, fixed at start-up (the request gate checks against it).
+
+    Attributes:
+        max_model_len: longest sequence, prompt + output (tokens).
+        vocab_size: valid token ids are ``[0, vocab_size)``.
+        max_num_seqs: most sequences in one step (caps ``n``).
+        max_logprobs: largest ``logprobs`` a request may ask for.
+        num_kv_blocks, block_size: the KV pool (blocks, tokens per block).
+    """
+
+    max_model_len: int
+    vocab_size: int
+    max_num_seqs: int
+    max_logprobs: int
+    num_kv_blocks: int
+    block_size: int
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's load (all counts are sequences, blocks or tokens).
+
+    ``kv_cache_usage`` is the fraction of KV blocks in use (0..1; parked prefix-cache blocks
+    count as free); ``num_live_tokens`` the tokens whose K/V the sequences of the last step
+    still hold (the sum of their ``seq_lens``, less those that finished), for KV-waste figures:
+    ``1 - num_live_tokens / (used_blocks * block_size)``. With prefix caching,
+    ``num_cached_tokens_total`` counts the tokens admitted sequences found in the cache (not
+    computed) and ``prefix_cache_hit_rate`` is that over the tokens of the sequences admitted
+    (0 when caching is off or nothing was admitted).
+    """
+
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_blocks: int
+    kv_cache_usage: float
+    num_preemptions: int
+    peak_num_seqs_in_step: int
+    num_steps: int
+    num_live_tokens: int
+    block_size: int
+    num_cached_tokens_total: int = 0
+    num_prefix_query_tokens_total: int = 0
+    prefix_cache_hit_rate: float = 0.0
+
+
+class EngineCoreRequest(msgspec.Struct, frozen=True):
     """A request the gate has validated and completed; the core trusts every field.
 
     Attributes:
@@ -28,7 +87,8 @@ class EngineCoreRequest:
         params: the sampling parameters, with ``max_tokens`` resolved to an int.
         stop_token_ids: ids that end a sequence in the scheduler: the user's
             ``stop_token_ids`` plus the model's EOS ids unless ``ignore_eos``.
-        arrival_time: ``time.monotonic()`` when the request arrived (seconds).
+        arrival_time: ``time.monotonic()`` when the request arrived (seconds; the clock is
+            shared by the processes of one machine).
     """
 
     request_id: str
@@ -44,30 +104,163 @@ class EngineCoreRequest:
         return self.params.max_tokens
 
 
-@dataclass(slots=True)
-class EngineCoreOutputs:
+class EngineCoreOutputs(msgspec.Struct, tag=True):
     """What one core step produced, column by column: row ``r`` is one sampled sequence.
 
     Attributes:
         request_ids: ``S`` request ids.
         sample_indices: ``S`` sample indices in ``[0, n)``.
-        token_ids: ``int32[S]`` the token each sequence sampled.
-        finish_reasons: ``int8[S]`` ``FinishReason`` codes (0: still running, 1: a stop
-            token id, 2: length).
-        logprobs: ``float32[S]`` log-probability of each sampled token, or ``None`` when no
-            row asked for logprobs.
-        top_token_ids, top_logprobs: ``[S, k]`` the ``k`` most likely tokens of each row
-            (``k`` = the largest ``logprobs`` asked for in the step), or ``None``.
+        token_ids: ``S`` sampled token ids.
+        finish_reasons: ``S`` ``FinishReason`` codes (0: still running, 1: a stop token id,
+            2: length).
+        logprobs: ``S`` log-probabilities of the sampled tokens, or ``None`` when no row
+            asked for logprobs.
+        top_token_ids, top_logprobs: ``S`` rows of the ``k`` most likely tokens (``k`` = the
+            largest ``logprobs`` asked for in the step), or ``None``.
         first_scheduled: ids of the requests scheduled for the first time in this step.
         scheduled_time: ``time.monotonic()`` when the step was scheduled (seconds).
+        stats: the engine's counters after the step (set by the core process; a message
+            with no rows and only ``stats`` says the core went idle).
     """
 
-    request_ids: list[str] = field(default_factory=list)
-    sample_indices: list[int] = field(default_factory=list)
-    token_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
-    finish_reasons: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int8))
-    logprobs: np.ndarray | None = None
-    top_token_ids: np.ndarray | None = None
-    top_logprobs: np.ndarray | None = None
-    first_scheduled: list[str] = field(default_factory=list)
+    request_ids: list[str] = msgspec.field(default_factory=list)
+    sample_indices: list[int] = msgspec.field(default_factory=list)
+    token_ids: list[int] = msgspec.field(default_factory=list)
+    finish_reasons: list[int] = msgspec.field(default_factory=list)
+    logprobs: list[float] | None = None
+    top_token_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
+    first_scheduled: list[str] = msgspec.field(default_factory=list)
     scheduled_time: float = 0.0
+    stats: EngineStats | None = None
+
+
+# ---------------------------------------------------------------- API process -> engine core
+class CoreInputs(msgspec.Struct, tag=True):
+    """Everything the API process queued for the core since its last message, applied in
+    this order: ``adds``, then ``finishes``, then ``aborts``.
+
+    Attributes:
+        adds: new requests.
+        finishes: ``(request_id, sample_index)`` samples a stop string ended (finished
+            ``STOPPED``; the output side already cut the text).
+        aborts: requests to drop (client gone, server shutting down).
+    """
+
+    adds: list[EngineCoreRequest] = msgspec.field(default_factory=list)
+    finishes: list[tuple[str, int]] = msgspec.field(default_factory=list)
+    aborts: list[str] = msgspec.field(default_factory=list)
+
+
+class UtilityCall(msgspec.Struct, tag=True):
+    """Call a read-only core method between steps; answered by :class:`UtilityResult`.
+
+    Attributes:
+        call_id: echoed in the result.
+        method: ``"get_stats"``.
+    """
+
+    call_id: int
+    method: str
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    """Stop the busy loop and exit."""
+
+
+# ---------------------------------------------------------------- engine core -> API process
+class EngineCoreReady(msgspec.Struct, tag=True):
+    """The handshake: what the API process needs from the loaded engine.
+
+    Attributes:
+        limits: what the request gate checks against (KV pool, block size, max_model_len,
+            vocabulary, ...).
+        eos_token_ids: the model's EOS ids (stop ids unless ``ignore_eos``).
+        tokenizer_json: the tokenizer as ``tokenizer.json`` text when the tokenizer folder
+            has no such file (converted by transformers in the core), else ``None``.
+        threads: the core's torch intra-op threads.
+        pid: the core's process id.
+    """
+
+    limits: RequestLimits
+    eos_token_ids: list[int]
+    tokenizer_json: str | None = None
+    threads: int = 1
+    pid: int = 0
+
+
+class EngineCoreStartupFailed(msgspec.Struct, tag=True):
+    """The core could not start.
+
+    Attributes:
+        message: one line for the user.
+        user_error: a bad model folder or flag (exit code 2), not a crash.
+    """
+
+    message: str
+    user_error: bool
+
+
+class UtilityResult(msgspec.Struct, tag=True):
+    """The answer to a :class:`UtilityCall` (``error`` set when it raised)."""
+
+    call_id: int
+    result: EngineStats | None = None
+    error: str | None = None
+
+
+class RequestsFailed(msgspec.Struct, tag=True):
+    """Requests the core dropped after an error (they got no more tokens)."""
+
+    request_ids: list[str]
+    message: str
+
+
+class EngineCoreFatal(msgspec.Struct, tag=True):
+    """The core can no longer step (repeated step failures) and exits after this."""
+
+    message: str
+
+
+ToCore = Union[CoreInputs, UtilityCall, Shutdown]
+FromCore = Union[EngineCoreOutputs, EngineCoreReady, EngineCoreStartupFailed, UtilityResult,
+                 RequestsFailed, EngineCoreFatal]
+
+
+class Codec:
+    """msgpack encoder and decoder for one direction of the core's sockets.
+
+    Args:
+        incoming: the union of message types this side receives (``ToCore`` in the core,
+            ``FromCore`` in the API process).
+    """
+
+    def __init__(self, incoming: object) -> None:
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(incoming)
+
+    def encode(self, message: msgspec.Struct) -> bytes:
+        """The msgpack bytes of ``message``."""
+        return self._encoder.encode(message)
+
+    def decode(self, data: bytes | memoryview) -> object:
+        """The message in ``data``.
+
+        Raises:
+            msgspec.DecodeError: ``data`` is not a message of the incoming union.
+        """
+        return self._decoder.decode(data)
+
+
+def encode_config(config: EngineConfig) -> str:
+    """``config`` as JSON text (passed to the core process on its command line)."""
+    return msgspec.json.encode(config).decode()
+
+
+def decode_config(text: str) -> EngineConfig:
+    """The :class:`EngineConfig` of :func:`encode_config` (validated again on the way in).
+
+    Raises:
+        msgspec.ValidationError: a field out of its range.
+    """
+    return msgspec.json.decode(text, type=EngineConfig)

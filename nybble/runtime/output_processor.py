@@ -3,28 +3,31 @@
 It keeps one :class:`Request` per request (per-sample detokenizer and output state) and turns
 each step's :class:`EngineCoreOutputs` into cumulative :class:`RequestOutput` snapshots. A
 sample whose text reaches a stop string is reported back, so the caller finishes it in the
-engine core in the same step (vLLM V1's output processor does the same with its aborts).
+engine core (vLLM V1's output processor does the same with its aborts).
+
+NOTE: with the core in another process, a step's outputs can still carry rows of a request
+the output side already ended (aborted, or a sample cut by a stop string while the core ran
+its next step): such rows are ignored.
 """
 from __future__ import annotations
 
 import time
 
-from transformers import PreTrainedTokenizerBase
-
 from nybble.errors import InvalidRequestError
 from nybble.outputs import RequestOutput
 from nybble.runtime.messages import EngineCoreOutputs, EngineCoreRequest
 from nybble.runtime.request import FINISH_REASON_OPENAI, FinishReason, Request
+from nybble.runtime.tokenizer import Tokenizer
 
 
 class OutputProcessor:
     """The per-request output state of the engine.
 
     Args:
-        tokenizer: the model's transformers tokenizer (detokenization).
+        tokenizer: the model's tokenizer (detokenization).
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+    def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self.requests: dict[str, Request] = {}
 
@@ -39,16 +42,22 @@ class OutputProcessor:
             request.request_id, prompt, request.prompt_token_ids, request.params,
             request.arrival_time, self.tokenizer)
 
-    def abort_request(self, request_id: str) -> bool:
-        """Forget a request; its unfinished samples end with ``"abort"``. Returns whether it
-        was known."""
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Forget a request; its unfinished samples end with ``"abort"``.
+
+        Returns:
+            Its final snapshot (``finished``), or ``None`` if it was not in flight.
+        """
         request = self.requests.pop(request_id, None)
         if request is None:
-            return False
+            return None
         for sample in request.samples:
             if sample.output.finish_reason is None:
                 sample.output.finish_reason = FINISH_REASON_OPENAI[FinishReason.ABORTED]
-        return True
+        request.num_finished = len(request.samples)
+        request.metrics.finished_time = time.monotonic()
+        request.new_tokens = 0
+        return request.to_output()
 
     def has_unfinished_requests(self) -> bool:
         """Whether any request still has a running sample."""
@@ -70,11 +79,14 @@ class OutputProcessor:
         changed: dict[str, Request] = {}
         stopped: list[tuple[str, int]] = []
         for row, (rid, index, token, code) in enumerate(zip(
-                core.request_ids, core.sample_indices, core.token_ids.tolist(),
-                core.finish_reasons.tolist())):
-            request = self.requests[rid]
+                core.request_ids, core.sample_indices, core.token_ids, core.finish_reasons)):
+            request = self.requests.get(rid)
+            if request is None:
+                continue  # NOTE: ended on this side already (see the module's note)
             sample = request.samples[index]
             out = sample.output
+            if out.finish_reason is not None:
+                continue
             out.token_ids.append(token)
             if out.logprobs is not None:
                 out.logprobs.append(_row_logprobs(core, row, token, request.params.logprobs or 0))
@@ -86,8 +98,11 @@ class OutputProcessor:
                 out.stop_reason = token if token in user_stops else None
             else:  # NOTE: a stop token is kept in token_ids but never detokenized
                 sample.detok.add_token(token)
-                if reason == FinishReason.NONE and sample.detok.stop_reason is not None:
-                    stopped.append((rid, index))
+                if sample.detok.stop_reason is not None:
+                    # NOTE: a stop string that completes on the last allowed token still
+                    # ends the sample as "stop": the text was cut by it
+                    if reason == FinishReason.NONE:
+                        stopped.append((rid, index))
                     reason, out.stop_reason = FinishReason.STOPPED, sample.detok.stop_reason
             out.text += sample.detok.take_delta(finished=reason != FinishReason.NONE)
             m = request.metrics
@@ -113,7 +128,6 @@ def _row_logprobs(core: EngineCoreOutputs, row: int, token: int, k: int) -> dict
     assert core.logprobs is not None
     entry = {token: float(core.logprobs[row])}
     if k > 0 and core.top_token_ids is not None and core.top_logprobs is not None:
-        for tid, lp in zip(core.top_token_ids[row, :k].tolist(),
-                           core.top_logprobs[row, :k].tolist()):
+        for tid, lp in zip(core.top_token_ids[row][:k], core.top_logprobs[row][:k]):
             entry.setdefault(tid, lp)
     return entry

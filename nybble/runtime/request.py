@@ -7,11 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from transformers import PreTrainedTokenizerBase
-
 from nybble.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nybble.runtime.detokenizer import IncrementalDetokenizer
 from nybble.runtime.sequence import FinishReason
+from nybble.runtime.tokenizer import Tokenizer
 from nybble.sampling_params import SamplingParams
 
 
@@ -55,7 +54,7 @@ class Request:
     @classmethod
     def create(cls, request_id: str, prompt: str | None, prompt_ids: list[int],
                params: SamplingParams, arrival_time: float,
-               tokenizer: PreTrainedTokenizerBase) -> Request:
+               tokenizer: Tokenizer) -> Request:
         """Build the request and the output state of its ``n`` samples."""
         samples = [Sample(output=CompletionOutput(index=i, logprobs=[] if params.logprobs
                                                   is not None else None),

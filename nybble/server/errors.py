@@ -7,6 +7,9 @@ InvalidRequestError (incl. KVCacheExhausted)     400     invalid_request_error
 RequestValidationError (bad JSON, bad types)     400     invalid_request_error
 ModelNotFoundError                               404     invalid_request_error / model_not_found
 AuthenticationError                              401     invalid_request_error / invalid_api_key
+EngineDeadError (engine core gone)               503     service_unavailable
+EngineShutdownError (server shutting down)       503     service_unavailable
+EngineRequestError (the engine failed a step)    500     internal_error
 HTTPException (404 route, 405 method, ...)       status  invalid_request_error
 anything else                                    500     internal_error
 ===============================================  ======  ==========================
@@ -23,6 +26,11 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nybble.errors import InvalidRequestError, ModelNotFoundError, NybbleError
+from nybble.runtime.async_engine import (
+    EngineDeadError,
+    EngineRequestError,
+    EngineShutdownError,
+)
 from nybble.server.responses import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
@@ -53,6 +61,10 @@ def _response_for(exc: BaseException) -> JSONResponse:
         return error_response(404, str(exc), param="model", code="model_not_found")
     if isinstance(exc, InvalidRequestError):
         return error_response(400, str(exc), param=exc.param)
+    if isinstance(exc, (EngineDeadError, EngineShutdownError)):
+        return error_response(503, str(exc), err_type="service_unavailable")
+    if isinstance(exc, EngineRequestError):  # NOTE: the core logged the traceback
+        return error_response(500, str(exc), err_type="internal_error")
     logger.exception("internal error", exc_info=exc)
     return error_response(500, f"internal error: {type(exc).__name__}: {exc}",
                           err_type="internal_error")

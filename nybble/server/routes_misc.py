@@ -8,13 +8,13 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-import nybble
 from nybble.errors import InvalidRequestError
 from nybble.server.auth import require_api_key
 from nybble.server.protocol import DetokenizeRequest, TokenizeRequest
 from nybble.server.responses import ModelCard, ModelList
 from nybble.server.serving import render_chat
 from nybble.server.state import get_state
+from nybble.version import __version__
 
 v1_router = APIRouter(dependencies=[Depends(require_api_key)])
 router = APIRouter()
@@ -30,14 +30,15 @@ async def list_models(request: Request) -> ModelList:
 
 @router.get("/health")
 async def health(request: Request) -> Response:
-    """200 while the engine thread runs, 503 otherwise."""
+    """200 while the engine core process runs and can step, 503 otherwise (dead core,
+    repeated step failures, shutting down)."""
     return Response(status_code=200 if get_state(request).engine.is_running else 503)
 
 
 @router.get("/version")
 async def version() -> dict[str, str]:
     """The nybble version."""
-    return {"version": nybble.__version__}
+    return {"version": __version__}
 
 
 @router.post("/tokenize")
@@ -55,8 +56,7 @@ async def tokenize(req: TokenizeRequest, request: Request) -> dict[str, Any]:
         ids = render_chat(state, req.messages, req.add_generation_prompt)
         state.input_processor.check_token_ids(ids, "messages")
     else:
-        ids = list(state.tokenizer(req.prompt,
-                                   add_special_tokens=req.add_special_tokens)["input_ids"])
+        ids = state.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
     return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids,
             "token_strs": None}
 
@@ -82,7 +82,7 @@ async def metrics(request: Request) -> Response:
 
 @router.get("/internal/stats")
 async def internal_stats(request: Request) -> dict[str, Any]:
-    """``engine.get_stats()`` as JSON, read between steps on the engine thread."""
+    """The engine core's counters as JSON, read between two of its steps."""
     return stats_dict(await get_state(request).engine.get_stats())
 
 

@@ -18,7 +18,6 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
-from nybble.errors import InvalidRequestError
 from nybble.outputs import RequestOutput
 from nybble.runtime.async_engine import RequestStream
 from nybble.runtime.input_processor import ParamNames
@@ -35,7 +34,6 @@ from nybble.server.streams import (
     collect,
     merge,
     sse_error,
-    submit,
     usage_of,
 )
 
@@ -73,15 +71,13 @@ def render_chat(state: ServerState, messages: list[ChatMessage],
     tokens again.
 
     Raises:
-        InvalidRequestError: the tokenizer has no chat template.
+        InvalidRequestError: the tokenizer has no chat template, or the template refused the
+            conversation.
     """
-    if not getattr(state.tokenizer, "chat_template", None):
-        raise InvalidRequestError("this model's tokenizer has no chat template; use "
-                                  "/v1/completions", param="messages")
     text = state.tokenizer.apply_chat_template(
         [{"role": m.role, "content": m.text()} for m in messages],
-        add_generation_prompt=add_generation_prompt, tokenize=False)
-    return list(state.tokenizer(text, add_special_tokens=False)["input_ids"])
+        add_generation_prompt=add_generation_prompt)
+    return state.tokenizer.encode(text, add_special_tokens=False)
 
 
 class Renderer(Protocol):
@@ -116,12 +112,13 @@ async def serve(request: Request, state: ServerState, renderer: Renderer,
     Raises:
         InvalidRequestError: the request gate refused a prompt or a parameter (nothing was
             queued).
+        EngineDeadError, EngineShutdownError: the engine cannot take requests (503).
     """
     gate = state.input_processor
     requests = [gate.process(f"{renderer.request_id}-{i}", prompt, params, arrival_time, names)
                 for i, prompt in enumerate(prompts)]
     texts = [p if isinstance(p, str) else None for p in prompts]
-    streams = await submit(state, requests, texts)
+    streams = state.engine.add_requests(requests, texts)
     if stream:
         return StreamingResponse(_events(state, renderer, streams, include_usage),
                                  media_type="text/event-stream")

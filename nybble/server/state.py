@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from fastapi import Request
 
@@ -11,6 +11,7 @@ from nybble.errors import ModelNotFoundError
 if TYPE_CHECKING:
     from nybble.runtime.async_engine import AsyncEngine
     from nybble.runtime.input_processor import InputProcessor
+    from nybble.runtime.tokenizer import Tokenizer
     from nybble.server.config import ServerConfig
     from nybble.server.metrics import ServerMetrics
 
@@ -20,12 +21,12 @@ class ServerState:
     """The server's shared objects.
 
     Attributes:
-        engine: the async front of the engine (owns the engine thread).
+        engine: the API process's side of the engine (talks to the engine-core process).
         input_processor: the engine's request gate (stateless: called on the event loop).
         config: the server settings.
         model_name: the name the API reports and accepts.
         model_path: the model folder (``/v1/models`` ``root``).
-        tokenizer: the engine's transformers tokenizer (used for prompts and logprob tokens).
+        tokenizer: the model's tokenizer (prompts, chat templates, logprob tokens).
         max_model_len: longest sequence, prompt + output (tokens).
         metrics: the Prometheus metrics.
     """
@@ -35,7 +36,7 @@ class ServerState:
     config: ServerConfig
     model_name: str
     model_path: str
-    tokenizer: Any
+    tokenizer: Tokenizer
     max_model_len: int
     metrics: ServerMetrics
 

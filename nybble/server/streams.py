@@ -1,4 +1,4 @@
-"""Engine streams for the serving pipeline: submit, merge, collect, abort, deltas, SSE framing.
+"""Engine streams for the serving pipeline: merge, collect, abort, deltas, SSE framing.
 
 The engine returns CUMULATIVE outputs; :class:`DeltaTracker` turns them into per-sample text
 and token deltas for streaming (by the previous text / token lengths of each output index).
@@ -15,7 +15,6 @@ from pydantic import BaseModel
 
 from nybble.outputs import CompletionOutput, RequestOutput
 from nybble.runtime.async_engine import RequestStream
-from nybble.runtime.messages import EngineCoreRequest
 from nybble.server.errors import error_payload
 from nybble.server.responses import UsageInfo
 from nybble.server.state import ServerState
@@ -26,23 +25,6 @@ DISCONNECT_POLL_S = 0.5
 SSE_DONE = "data: [DONE]\n\n"
 CLIENT_CLOSED = 499
 """Status logged for a request whose client disconnected first (nginx's convention)."""
-
-
-async def submit(state: ServerState, requests: list[EngineCoreRequest],
-                 prompts: list[str | None]) -> list[RequestStream]:
-    """Queue gated requests (``prompts``: their texts, if any); all or none.
-
-    Raises:
-        InvalidRequestError: the engine rejected one of them (the others are aborted).
-    """
-    streams: list[RequestStream] = []
-    try:
-        for request, prompt in zip(requests, prompts):
-            streams.append(await state.engine.add_request(request, prompt))
-    except BaseException:
-        abort_unfinished(state, streams)
-        raise
-    return streams
 
 
 def abort_unfinished(state: ServerState, streams: list[RequestStream]) -> None:
@@ -98,13 +80,22 @@ async def collect(request: Request, state: ServerState,
 
     Every ``DISCONNECT_POLL_S`` seconds it checks the connection; on a disconnect, or any
     error, the unfinished requests are aborted so their KV blocks are freed.
+
+    Raises:
+        EngineShutdownError: the server began shutting down while the requests ran.
+        EngineDeadError, EngineRequestError: the engine failed them.
     """
     task = asyncio.ensure_future(_collect(streams))
     try:
         while True:
             done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
             if done:
-                return task.result()
+                finals = task.result()
+                # NOTE: ended from outside (server shutdown): no partial response
+                errors = [s.error for s in streams if s.error is not None]
+                if errors:
+                    raise errors[0]
+                return finals
             if await request.is_disconnected():
                 return None
     finally:

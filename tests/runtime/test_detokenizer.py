@@ -6,17 +6,20 @@ from transformers import AutoTokenizer
 
 from nybble.config import DEFAULT_MODEL
 from nybble.runtime.detokenizer import IncrementalDetokenizer
+from nybble.runtime.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")
-def tok():
-    return AutoTokenizer.from_pretrained(DEFAULT_MODEL)
+def tok() -> Tokenizer:
+    return Tokenizer.from_folder(DEFAULT_MODEL)
 
 
-def _stream(tok, prompt: str, text: str, stop: list[str] | None = None) -> tuple[list[str], str]:
-    prompt_ids = tok(prompt).input_ids
-    out_ids = tok(prompt + text).input_ids[len(prompt_ids):]
-    d = IncrementalDetokenizer(tok, prompt_ids, stop or [])
+def _stream(tok, prompt: str, text: str, stop: list[str] | None = None,
+            skip_special_tokens: bool = True, extra: list[int] | None = None
+            ) -> tuple[list[str], str]:
+    prompt_ids = tok.encode(prompt)
+    out_ids = tok.encode(prompt + text)[len(prompt_ids):] + (extra or [])
+    d = IncrementalDetokenizer(tok, prompt_ids, stop or [], skip_special_tokens)
     pieces = []
     for t in out_ids:
         d.add_token(t)
@@ -56,3 +59,20 @@ def test_stop_string_spanning_tokens_is_cut_and_never_streamed(tok) -> None:
 def test_earliest_stop_string_wins(tok) -> None:
     _, text = _stream(tok, "Once", " upon a time there was a dog", stop=["dog", "a t"])
     assert text == " upon "
+
+
+def test_pieces_equal_transformers_decode(tok) -> None:
+    hf = AutoTokenizer.from_pretrained(DEFAULT_MODEL)
+    prompt_ids = tok.encode("Once upon a time")
+    out_ids = tok.encode("Once upon a time, Lily said: \"é 🙂!\"  ok.\n")[len(prompt_ids):]
+    pieces, text = _stream(tok, "Once upon a time", ", Lily said: \"é 🙂!\"  ok.\n")
+    full = hf.decode(prompt_ids + out_ids, skip_special_tokens=True)
+    assert full == hf.decode(prompt_ids, skip_special_tokens=True) + text
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_skip_special_tokens(tok, skip: bool) -> None:
+    eos = 2  # "</s>" in the bundled vocabulary
+    pieces, text = _stream(tok, "Once", " upon", skip_special_tokens=skip, extra=[eos, 1])
+    assert text == (" upon" if skip else " upon</s><s>")
+    assert "".join(pieces) == text

@@ -9,7 +9,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from nybble.runtime.scheduler import Scheduler
-from transformers import AutoTokenizer
 
 from nybble import SamplingParams
 from nybble.config import DEFAULT_MODEL
@@ -20,6 +19,7 @@ from nybble.runtime.input_processor import (
     ParamNames,
     RequestLimits,
 )
+from nybble.runtime.tokenizer import Tokenizer
 
 LIMITS = RequestLimits(max_model_len=512, vocab_size=512, max_num_seqs=8, max_logprobs=20,
                        num_kv_blocks=64, block_size=16)
@@ -29,7 +29,7 @@ CHAT = ParamNames(prompt="messages", max_tokens="max_completion_tokens", logprob
 
 @pytest.fixture(scope="module")
 def gate() -> InputProcessor:
-    return InputProcessor(AutoTokenizer.from_pretrained(DEFAULT_MODEL), LIMITS, EOS)
+    return InputProcessor(Tokenizer.from_folder(DEFAULT_MODEL), LIMITS, EOS)
 
 
 def _reject(gate: InputProcessor, prompt, params: SamplingParams,
@@ -51,7 +51,10 @@ PROMPT = [1, 5, 9, 200]
     ("top_p", 0.0, "top_p", "top_p must be in (0, 1], got 0.0"),
     ("top_p", 1.5, "top_p", "got 1.5"),
     ("top_p", math.nan, "top_p", "got nan"),
-    ("top_k", -2, "top_k", "top_k must be -1 (disabled) or an integer >= 1, got -2"),
+    ("top_k", -2, "top_k", "top_k must be -1 (disabled) or an integer in [1, 512] (the "
+     "vocabulary), got -2"),
+    ("top_k", 513, "top_k", "in [1, 512] (the vocabulary), got 513"),
+    ("top_k", 2**63, "top_k", f"got {2**63}"),
     ("min_p", 1.5, "min_p", "min_p must be in [0, 1], got 1.5"),
     ("min_p", -0.1, "min_p", "got -0.1"),
     ("seed", 1 << 64, "seed", f"got {1 << 64}"),
@@ -155,7 +158,7 @@ def test_kv_pool_fit(gate: InputProcessor) -> None:
 def test_core_request_fields(gate: InputProcessor) -> None:
     text = gate.process("t", "Once upon a time", SamplingParams(stop_token_ids=[1, 7]),
                         arrival_time=12.5)
-    assert text.prompt_token_ids == list(gate.tokenizer("Once upon a time").input_ids)
+    assert text.prompt_token_ids == gate.tokenizer.encode("Once upon a time")
     assert text.stop_token_ids == [1, 7, 2]      # the user's ids, then the EOS ids not in them
     assert text.arrival_time == 12.5 and text.request_id == "t"
     no_eos = gate.process("u", PROMPT, SamplingParams(ignore_eos=True, stop_token_ids=[7]))

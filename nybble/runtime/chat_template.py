@@ -1,0 +1,92 @@
+"""Render a Hugging Face chat template with jinja2, the way transformers does, without it.
+
+Hugging Face chat templates are jinja2 programs from the model folder, rendered in a sandbox
+(``ImmutableSandboxedEnvironment``) with ``trim_blocks`` and ``lstrip_blocks``, the
+``loopcontrols`` extension, a ``tojson`` filter that does not escape HTML, the globals
+``raise_exception`` and ``strftime_now``, and the ``{% generation %}`` block tag (a no-op
+when rendering). The template sees ``messages``, ``add_generation_prompt`` and the tokenizer's
+special tokens (``bos_token``, ``eos_token``, ...). Source: transformers' documentation of
+chat templates ("Templates for chat models") and its ``apply_chat_template``.
+"""
+from __future__ import annotations
+
+import functools
+import json
+from datetime import datetime
+from typing import Any
+
+import jinja2
+from jinja2 import nodes
+from jinja2.ext import Extension
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from nybble.errors import InvalidRequestError
+
+
+class _GenerationTag(Extension):
+    """``{% generation %}...{% endgeneration %}``: marks assistant text for training masks;
+    rendering keeps the body as it is."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_keep"), [], [], body).set_lineno(lineno)
+
+    @staticmethod
+    def _keep(caller: Any) -> str:
+        return str(caller())
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@functools.lru_cache(maxsize=16)
+def compile_template(source: str) -> jinja2.Template:
+    """The compiled template (cached by source text).
+
+    Raises:
+        jinja2.TemplateSyntaxError: ``source`` is not a valid template.
+    """
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_GenerationTag, "jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(source)
+
+
+def render_chat_template(source: str, messages: list[dict[str, Any]],
+                         add_generation_prompt: bool,
+                         special_tokens: dict[str, str | None]) -> str:
+    """The conversation as the prompt text the model was trained on.
+
+    Args:
+        source: the jinja2 template.
+        messages: ``[{"role": ..., "content": ...}, ...]``.
+        add_generation_prompt: end with the header of an assistant turn.
+        special_tokens: ``bos_token``, ``eos_token``, ... as the template names them.
+
+    Raises:
+        InvalidRequestError: the template refused the conversation (``raise_exception``,
+            e.g. "roles must alternate") or failed to render; ``param`` is ``messages``.
+    """
+    try:
+        template = compile_template(source)
+        return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                               **special_tokens)
+    except jinja2.TemplateError as e:
+        raise InvalidRequestError(f"messages were refused by the chat template: {e}",
+                                  param="messages") from None
