@@ -1,7 +1,8 @@
 """A real ``nybble serve`` on the bundled model, on a free loopback port, for the whole session.
 
-The server runs as a subprocess (``python -m nybble serve``), so the tests exercise the CLI,
-uvicorn and the engine thread exactly as a user would; it is stopped with SIGINT at the end.
+The server runs as a subprocess (``python -m nybble serve``: the API process, which starts
+the engine-core process), so the tests exercise the CLI, uvicorn and both processes exactly
+as a user would; it is stopped with SIGINT at the end.
 """
 from __future__ import annotations
 
@@ -27,11 +28,13 @@ STARTUP_TIMEOUT_S = 180.0   # shared CI machines can be slow to import torch
 
 @dataclass(frozen=True)
 class Server:
-    """A running test server: base ``url`` (no ``/v1``), its ``api_key`` and log file."""
+    """A running test server: base ``url`` (no ``/v1``), its ``api_key``, log file and the
+    API process's ``pid``."""
 
     url: str
     api_key: str
     log_path: Path
+    pid: int = 0
 
     def openai(self, **kwargs: Any) -> openai.OpenAI:
         """The official client pointed at this server."""
@@ -137,7 +140,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     log_path = tmp_path_factory.mktemp("server") / "serve.log"
     proc, url = start_server(log_path, "--api-key", API_KEY, "--stats-interval", "1")
     try:
-        yield Server(url=url, api_key=API_KEY, log_path=log_path)
+        yield Server(url=url, api_key=API_KEY, log_path=log_path, pid=proc.pid)
     finally:
         stop_server(proc)
 
@@ -146,3 +149,37 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 def client(server: Server) -> openai.OpenAI:
     """The official ``openai`` client for the session server."""
     return server.openai()
+
+
+def children(pid: int) -> list[int]:
+    """Process ids whose parent is ``pid`` (Linux ``/proc``)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                # NOTE: field 4 is the parent pid; the name (field 2) may hold spaces
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == pid:
+            found.append(int(entry))
+    return found
+
+
+def core_pid(api_pid: int) -> int:
+    """The engine-core process of the server whose API process is ``api_pid``."""
+    (pid,) = children(api_pid)
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        assert b"nybble.runtime.core_process" in f.read()
+    return pid
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -1,0 +1,190 @@
+"""The two processes of ``nybble serve``: the API process stays torch-free; the engine core's
+death fails the requests in flight and turns the server unhealthy; signals shut down cleanly
+(requests in flight end with an abort chunk or a JSON error), and never leave the core behind;
+a start-up error in the core is one line and exit code 2."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.server.conftest import (
+    Server,
+    _free_port,
+    core_pid,
+    pid_alive,
+    start_server,
+    stop_server,
+)
+
+LONG = {"model": "stories260k", "prompt": "Once upon a time", "max_tokens": 480,
+        "ignore_eos": True, "temperature": 0.0}
+EXIT_BOUND_S = 10.0
+"""Generous bound for "the process is gone" checks on a loaded machine (the design: < 5 s)."""
+
+
+def _wait_gone(pid: int, timeout_s: float = EXIT_BOUND_S) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while pid_alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _wait_running(url: str, n: int, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while httpx.get(f"{url}/internal/stats", timeout=30).json()["num_running"] < n:
+        assert time.monotonic() < deadline, f"{n} requests never ran together"
+        time.sleep(0.02)
+
+
+class _Stream(threading.Thread):
+    """A streaming completion read to its end on a thread; ``events`` are its ``data:``
+    payloads."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(daemon=True)
+        self.url, self.events, self.status = url, [], 0
+
+    def run(self) -> None:
+        with httpx.Client(base_url=self.url, timeout=60) as c, \
+                c.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as r:
+            self.status = r.status_code
+            self.events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+
+
+class _Blocking(threading.Thread):
+    """A non-streaming completion on a thread; ``result`` is ``(status, json body)``."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(daemon=True)
+        self.url, self.result = url, (0, {})
+
+    def run(self) -> None:
+        r = httpx.post(f"{self.url}/v1/completions", json=LONG, timeout=60)
+        self.result = (r.status_code, r.json())
+
+
+def _maps(pid: int) -> str:
+    with open(f"/proc/{pid}/maps") as f:
+        return f.read()
+
+
+def test_api_process_never_loads_torch(server: Server) -> None:
+    with server.http() as c:
+        assert c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).status_code == 200
+    assert "libtorch" not in _maps(server.pid)
+    assert "libtorch" in _maps(core_pid(server.pid))   # the check can see torch where it is
+
+
+def test_core_death_fails_requests_and_turns_unhealthy(tmp_path: Path) -> None:
+    log = tmp_path / "serve.log"
+    proc, url = start_server(log)
+    try:
+        stream, blocking = _Stream(url), _Blocking(url)
+        stream.start()
+        blocking.start()
+        _wait_running(url, 2)
+        os.kill(core_pid(proc.pid), signal.SIGKILL)
+        stream.join(60)
+        blocking.join(60)
+        assert stream.status == 200 and stream.events[-1] == "[DONE]"
+        error = json.loads(stream.events[-2])["error"]
+        assert error["code"] == 503 and "engine core process exited" in error["message"]
+        status, body = blocking.result
+        assert status == 503 and body["error"]["type"] == "service_unavailable"
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 503
+        late = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2},
+                          timeout=10)
+        assert late.status_code == 503 and late.json()["error"]["code"] == 503
+        assert httpx.get(f"{url}/internal/stats", timeout=10).status_code == 503
+    finally:
+        stop_server(proc)
+    assert proc.returncode == 0
+    assert "Traceback" not in log.read_text()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_the_core_never_outlives_the_api_process(tmp_path: Path, sig: int) -> None:
+    proc, _ = start_server(tmp_path / "serve.log")
+    try:
+        core = core_pid(proc.pid)
+        os.kill(proc.pid, sig)
+        proc.wait(timeout=EXIT_BOUND_S)
+        assert _wait_gone(core), "the engine core outlived the API process"
+    finally:
+        stop_server(proc)
+    assert proc.returncode == (0 if sig == signal.SIGTERM else -signal.SIGKILL)
+
+
+def test_sigterm_ends_requests_in_flight_cleanly(tmp_path: Path) -> None:
+    log = tmp_path / "serve.log"
+    proc, url = start_server(log)
+    try:
+        core = core_pid(proc.pid)
+        streams = [_Stream(url) for _ in range(3)]
+        blocking = _Blocking(url)
+        for t in (*streams, blocking):
+            t.start()
+        _wait_running(url, 4)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=EXIT_BOUND_S)
+        for t in (*streams, blocking):
+            t.join(30)
+    finally:
+        stop_server(proc)
+    assert proc.returncode == 0
+    assert _wait_gone(core)
+    for s in streams:
+        assert s.status == 200 and s.events[-1] == "[DONE]"
+        last: dict[str, Any] = json.loads(s.events[-2])
+        assert last["choices"][0]["finish_reason"] == "abort"
+    status, body = blocking.result
+    assert status == 503 and "shutting down" in body["error"]["message"]
+    assert "Traceback" not in log.read_text()
+
+
+def test_second_signal_exits_at_once(tmp_path: Path) -> None:
+    proc, _ = start_server(tmp_path / "serve.log")
+    try:
+        core = core_pid(proc.pid)
+        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=EXIT_BOUND_S)
+    finally:
+        stop_server(proc)
+    assert proc.returncode == 128 + signal.SIGINT   # the immediate exit, not the graceful 0
+    assert _wait_gone(core)
+
+
+def test_core_start_up_error_is_one_line_and_exit_code_2() -> None:
+    proc = subprocess.run([sys.executable, "-m", "nybble", "serve", "--port",
+                           str(_free_port()), "--max-model-len", "100000"],
+                          capture_output=True, text=True, timeout=180, check=False,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "nybble serve: error: max_model_len must be <= 512 (the model's position limit), "
+        "got 100000")
+    assert "Traceback" not in proc.stderr
+
+
+def test_missing_model_folder_fails_before_starting_the_core(tmp_path: Path) -> None:
+    missing, a_file = tmp_path / "nope", tmp_path / "file"
+    a_file.write_text("x")
+    for path, what in ((missing, "does not exist"), (a_file, "is a file, expected a folder")):
+        proc = subprocess.run([sys.executable, "-m", "nybble", "serve", str(path), "--port",
+                               str(_free_port())], capture_output=True, text=True,
+                              timeout=60, check=False)
+        assert proc.returncode == 2
+        assert proc.stderr.count("\n") == 1 and what in proc.stderr, proc.stderr
