@@ -6,12 +6,15 @@ records, in seconds since the launch:
 - ``url_logged_s``: the server logged its URL (the user sees where to connect);
 - ``first_answer_s``: the first ``POST /v1/completions`` (``max_tokens=1``) returned 200,
   polling every 20 ms from the launch;
-- ``engine_init_s``: the server's own "engine ready in" figure (tokenizer, weights, KV cache);
-- ``cpu_s``: CPU seconds (user + system) the server process used from launch to exit, a
-  figure that does not depend on how busy a shared machine is.
+- ``engine_init_s``: the server's own "engine ready in" figure (from starting the engine-core
+  process to its handshake: torch import, weights, KV cache);
+- ``cpu_s``: CPU seconds (user + system) both server processes used from launch to exit, a
+  figure that depends less on how busy a shared machine is;
+- ``load_1m``: the 1-minute load average when the run started.
 
 Usage: ``python benchmarks/serve_startup.py [--runs 5] [--model PATH]``; prints a table and
-writes ``benchmarks/results/serve_startup.json``. Target: first answer under 3 s.
+writes ``benchmarks/results/serve_startup.json``. Target: first answer within 1 s on an idle
+machine.
 """
 from __future__ import annotations
 
@@ -54,6 +57,7 @@ def one_run(model: str | None, timeout_s: float) -> dict[str, float]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1",
            "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
     cpu0 = _children_cpu_s()
+    load = os.getloadavg()[0]
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     url_logged: list[float] = []
@@ -96,7 +100,7 @@ def one_run(model: str | None, timeout_s: float) -> dict[str, float]:
     return {"url_logged_s": url_logged[0] if url_logged else float("nan"),
             "first_answer_s": first_answer,
             "engine_init_s": float(ready.group(1)) if ready else float("nan"),
-            "cpu_s": _children_cpu_s() - cpu0}
+            "cpu_s": _children_cpu_s() - cpu0, "load_1m": load}
 
 
 def _children_cpu_s() -> float:
@@ -120,7 +124,7 @@ def main() -> None:
     summary = {"median_first_answer_s": statistics.median(firsts),
                "min_first_answer_s": min(firsts), "max_first_answer_s": max(firsts),
                "median_cpu_s": statistics.median(r["cpu_s"] for r in rows),
-               "target_s": 3.0, "load_avg_1m": os.getloadavg()[0]}
+               "target_s": 1.0, "load_avg_1m": os.getloadavg()[0]}
     print_table(rows, title="nybble serve: launch -> first answered request (seconds)")
     print_table([summary])
     write_json(args.out, {"benchmark": "serve_startup", "model": args.model or "bundled",

@@ -15,6 +15,7 @@ from nybble.config import DEFAULT_MODEL, EngineConfig
 from nybble.outputs import CompletionOutput, RequestOutput
 from nybble.sampling_params import SamplingParams
 from nybble.version import __version__
+
 __all__ = [
     "DEFAULT_MODEL",
     "LLM",

@@ -28,6 +28,16 @@ def _check(ok: bool, name: str, allowed: str, value: object) -> None:
         raise ValueError(f"{name} must be {allowed}, got {value!r}")
 
 
+TOKENIZER_FILE = "tokenizer.json"
+"""The ``tokenizers`` pipeline file of a Hugging Face model folder."""
+
+
+def has_tokenizer_file(folder: str) -> bool:
+    """Whether ``folder`` holds a ``tokenizer.json`` (else the tokenizer needs transformers'
+    conversion, see ``nybble.runtime.hf_tokenizer``)."""
+    return os.path.isfile(os.path.join(folder, TOKENIZER_FILE))
+
+
 def check_model_dir(model_dir: str) -> None:
     """Fail early, with a clear message, unless ``model_dir`` is a local model folder.
 

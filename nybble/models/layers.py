@@ -4,10 +4,13 @@ Flat-batch convention: activations are ``[T, hidden]`` for the ``T`` new tokens 
 """
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import torch
 from torch import nn
-from transformers import PretrainedConfig
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from nybble.errors import UnsupportedModelError
 
 
 class RMSNorm(nn.Module):
@@ -31,7 +34,7 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(in_dtype)
 
 
-def _rope_config(config: PretrainedConfig) -> dict:
+def _rope_config(config: Any) -> dict:
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
     params = dict(params or {})
     params.setdefault("rope_type", params.get("type", "default"))
@@ -39,12 +42,49 @@ def _rope_config(config: PretrainedConfig) -> dict:
     return params
 
 
+def default_inv_freq(theta: float, head_dim: int) -> torch.Tensor:
+    """RoPE's inverse frequencies ``theta ** (-2i / head_dim)``, ``[head_dim / 2]`` float32."""
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    return 1.0 / (theta ** exponent)
+
+
+def llama3_inv_freq(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
+    """Llama 3.1's frequency scaling (Meta's reference ``apply_scaling``): wavelengths longer
+    than ``original_max_position_embeddings / low_freq_factor`` are divided by ``factor``,
+    shorter than ``... / high_freq_factor`` kept, and those between interpolated smoothly."""
+    factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+    old_len = params["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _transformers_inv_freq(config: Any, rope_type: str) -> tuple[torch.Tensor, float]:
+    """Frequencies of the rarer scaled types (``yarn``, ``longrope``...) from transformers
+    (imported only for such a model)."""
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if rope_type not in ROPE_INIT_FUNCTIONS or rope_type == "dynamic":
+        raise UnsupportedModelError(
+            f"rope_type must be one of default, {', '.join(sorted(ROPE_INIT_FUNCTIONS))} "
+            f"(not dynamic), got {rope_type!r}")
+    raw = dict(getattr(config, "raw", None) or config.to_dict())
+    hf = AutoConfig.for_model(raw.pop("model_type", "llama"), **raw)
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, "cpu")
+    return inv_freq, float(scaling)
+
+
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding (Su et al., RoFormer 2021) in HF's ``rotate_half`` layout.
 
-    Frequencies come from transformers' ``ROPE_INIT_FUNCTIONS`` for scaled variants (``llama3``,
-    ``linear``, ``yarn``...), so they match the reference implementation exactly; ``default``
-    is ``theta ** (-2i / head_dim)``. A cos/sin table for every position up to
+    Frequencies: ``default`` is ``theta ** (-2i / head_dim)``; ``linear`` divides them by
+    ``factor``; ``llama3`` is Llama 3.1's scaling (:func:`llama3_inv_freq`); other scaled
+    types (``yarn``, ``longrope``...) come from transformers' ``ROPE_INIT_FUNCTIONS``. Tests
+    compare all of them with transformers. A cos/sin table for every position up to
     ``max_positions`` is built once at start-up.
 
     Raises:
@@ -52,23 +92,20 @@ class RotaryEmbedding(nn.Module):
             (its frequencies depend on the sequence length, which a shared cache cannot do).
     """
 
-    def __init__(self, config: PretrainedConfig, head_dim: int, max_positions: int,
+    def __init__(self, config: Any, head_dim: int, max_positions: int,
                  device: torch.device) -> None:
         super().__init__()
-        from nybble.errors import UnsupportedModelError
-
         params = _rope_config(config)
         rope_type = params["rope_type"]
         scaling = 1.0
-        if rope_type == "default":
-            exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-            inv_freq = 1.0 / (params["rope_theta"] ** exponent)
-        elif rope_type in ROPE_INIT_FUNCTIONS and rope_type != "dynamic":
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+        if rope_type in ("default", "linear", "llama3"):
+            inv_freq = default_inv_freq(params["rope_theta"], head_dim)
+            if rope_type == "linear":
+                inv_freq = inv_freq / params["factor"]
+            elif rope_type == "llama3":
+                inv_freq = llama3_inv_freq(inv_freq, params)
         else:
-            raise UnsupportedModelError(
-                f"rope_type must be one of default, {', '.join(sorted(ROPE_INIT_FUNCTIONS))} "
-                f"(not dynamic), got {rope_type!r}")
+            inv_freq, scaling = _transformers_inv_freq(config, rope_type)
         pos = torch.arange(max_positions, dtype=torch.float32)
         freqs = pos[:, None] * inv_freq.float()[None, :]  # (max_positions, head_dim / 2)
         self.register_buffer("cos", (freqs.cos() * scaling).to(device), persistent=False)

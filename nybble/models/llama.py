@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig
 
 from nybble.kernels.interface import AttentionBackend, AttentionMetadata
+from nybble.models.hf_config import HFConfig
 from nybble.models.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 from nybble.models.linear import LinearFactory, build_linear
 from nybble.models.shape import ModelShape
@@ -58,7 +58,7 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """SwiGLU feed-forward with a fused gate/up projection."""
 
-    def __init__(self, config: PretrainedConfig, prefix: str, linear: LinearFactory,
+    def __init__(self, config: HFConfig, prefix: str, linear: LinearFactory,
                  dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         hidden, inter = config.hidden_size, config.intermediate_size
@@ -81,7 +81,7 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm decoder block: ``h += attn(norm(h)); h += mlp(norm(h))``."""
 
-    def __init__(self, config: PretrainedConfig, shape: ModelShape, index: int,
+    def __init__(self, config: HFConfig, shape: ModelShape, index: int,
                  linear: LinearFactory, rope: RotaryEmbedding, backend: AttentionBackend,
                  bias: tuple[bool, bool], dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
@@ -112,7 +112,7 @@ class LlamaForCausalLM(nn.Module):
             ``attention_bias``; Qwen2 has (True, False).
     """
 
-    def __init__(self, config: PretrainedConfig, linear: LinearFactory,
+    def __init__(self, config: HFConfig, linear: LinearFactory,
                  backend: AttentionBackend, max_positions: int, dtype: torch.dtype,
                  device: torch.device, bias: tuple[bool, bool] = (False, False)) -> None:
         super().__init__()

@@ -16,11 +16,11 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from transformers import AutoConfig, PretrainedConfig
 
 from nybble.config import ModelConfig, check_model_dir
 from nybble.errors import UnsupportedModelError
 from nybble.kernels.interface import AttentionBackend
+from nybble.models.hf_config import HFConfig, load_hf_config
 from nybble.models.linear import dense_linear_factory
 from nybble.models.llama import LlamaForCausalLM
 from nybble.models.registry import projection_bias
@@ -38,7 +38,7 @@ class LoadedModel:
 
     Attributes:
         model: the module, in eval mode, on ``device``.
-        hf_config: the checkpoint's transformers config.
+        hf_config: the checkpoint's config (``config.json`` with transformers' defaults).
         shape: the model's dimensions (layers, heads, KV heads, head_dim, vocabulary).
         dtype: activation/weight dtype of non-quantized parts.
         max_model_len: longest sequence the engine allows (tokens).
@@ -49,7 +49,7 @@ class LoadedModel:
     """
 
     model: LlamaForCausalLM
-    hf_config: PretrainedConfig
+    hf_config: HFConfig
     shape: ModelShape
     dtype: torch.dtype
     max_model_len: int
@@ -75,7 +75,7 @@ def _weight_files(model_dir: str) -> list[str]:
     return files
 
 
-def resolve_dtype(name: str, hf_config: PretrainedConfig, device: torch.device) -> torch.dtype:
+def resolve_dtype(name: str, hf_config: HFConfig, device: torch.device) -> torch.dtype:
     """``auto`` -> the checkpoint's dtype on GPU (float32 becomes float16), float32 on CPU."""
     if name != "auto":
         return _DTYPES[name]
@@ -86,7 +86,7 @@ def resolve_dtype(name: str, hf_config: PretrainedConfig, device: torch.device) 
     return torch.float16 if ckpt == torch.float32 else ckpt
 
 
-def eos_token_ids(model_dir: str, hf_config: PretrainedConfig) -> tuple[int, ...]:
+def eos_token_ids(model_dir: str, hf_config: HFConfig) -> tuple[int, ...]:
     """Stop ids as transformers and vLLM read them: generation_config.json, then config.json.
 
     ``eos_token_id`` may be an int or a list in either file (stories260k's generation config
@@ -121,9 +121,8 @@ def load_model(cfg: ModelConfig, backend: AttentionBackend, device: torch.device
         ValueError: ``max_model_len`` larger than the model's position limit.
     """
     check_model_dir(cfg.model)
-    hf_config = AutoConfig.from_pretrained(cfg.model)
-    with open(os.path.join(cfg.model, "config.json")) as f:
-        raw_config = json.load(f)
+    hf_config = load_hf_config(cfg.model)
+    raw_config = hf_config.to_dict()
     bias = projection_bias(hf_config)
     quant = load_quant_config(cfg.model, raw_config, cfg.quantization)
     dtype = resolve_dtype(cfg.dtype, hf_config, device)

@@ -3,18 +3,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from transformers import PretrainedConfig
-
 from nybble.errors import UnsupportedModelError
+from nybble.models.hf_config import HFConfig
 
 
-def _attention_bias(config: PretrainedConfig) -> tuple[bool, bool]:
+def _attention_bias(config: HFConfig) -> tuple[bool, bool]:
     bias = bool(getattr(config, "attention_bias", False))
     return bias, bias
 
 
 # architecture name -> (q/k/v bias, o_proj bias) rule; every entry is built by LlamaForCausalLM.
-_ARCHITECTURES: dict[str, Callable[[PretrainedConfig], tuple[bool, bool]]] = {
+_ARCHITECTURES: dict[str, Callable[[HFConfig], tuple[bool, bool]]] = {
     "LlamaForCausalLM": _attention_bias,
     "MistralForCausalLM": _attention_bias,
     "Qwen2ForCausalLM": lambda config: (True, False),
@@ -23,7 +22,7 @@ _ARCHITECTURES: dict[str, Callable[[PretrainedConfig], tuple[bool, bool]]] = {
 SUPPORTED_ARCHITECTURES = tuple(_ARCHITECTURES)
 
 
-def projection_bias(config: PretrainedConfig) -> tuple[bool, bool]:
+def projection_bias(config: HFConfig) -> tuple[bool, bool]:
     """``(qkv_bias, o_bias)`` for the config's architecture.
 
     Raises:

@@ -264,7 +264,7 @@ class AsyncEngine:
             msg = await self.client.recv()
             try:
                 self._dispatch(msg)
-            except Exception:  # noqa: BLE001 -- keep serving; fail what was in flight
+            except Exception:  # NOTE: keep serving; fail what was in flight
                 logger.exception("processing the engine core's %s failed", type(msg).__name__)
                 self._fail(list(self._streams), EngineRequestError,
                            "internal error while processing the engine's outputs")

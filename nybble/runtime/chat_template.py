@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import json
 from datetime import datetime
-from typing import Any
+from typing import Any, ClassVar
 
 import jinja2
 from jinja2 import nodes
@@ -27,7 +27,7 @@ class _GenerationTag(Extension):
     """``{% generation %}...{% endgeneration %}``: marks assistant text for training masks;
     rendering keeps the body as it is."""
 
-    tags = {"generation"}
+    tags: ClassVar[set[str]] = {"generation"}
 
     def parse(self, parser: Any) -> nodes.Node:
         lineno = next(parser.stream).lineno

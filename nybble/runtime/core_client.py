@@ -11,8 +11,9 @@ starts ``python -m nybble.runtime.core_process`` (which connects to them), and t
   a poll every 0.5 s elsewhere; :attr:`exit_code` is set then and the ``on_exit`` callback
   runs.
 
-The core is started first thing, so it imports torch and loads the model while this process
-imports the web stack and loads the tokenizer.
+The core is started first thing (even before this process imports ZeroMQ: the core
+connects only after its torch import, long after the sockets are bound), so it imports torch
+and loads the model while this process imports the web stack and loads the tokenizer.
 """
 from __future__ import annotations
 
@@ -26,9 +27,6 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
-
-import zmq
-import zmq.asyncio
 
 from nybble.config import EngineConfig
 from nybble.errors import NybbleError
@@ -65,8 +63,17 @@ class CoreClient:
 
     def __init__(self, config: EngineConfig, log_level: str = "INFO") -> None:
         self._dir = tempfile.mkdtemp(prefix="nybble-core-")
-        self._ctx = zmq.asyncio.Context()
         in_addr, out_addr = f"ipc://{self._dir}/input", f"ipc://{self._dir}/output"
+        cmd = [sys.executable, "-m", "nybble.runtime.core_process", "--input-address", in_addr,
+               "--output-address", out_addr, "--parent-pid", str(os.getpid()),
+               "--log-level", log_level, "--config", encode_config(config)]
+        # NOTE: a session of its own: a terminal's Ctrl-C (or a signal to our process group)
+        # reaches only this process, which then shuts the core down in order
+        self.proc = subprocess.Popen(cmd, start_new_session=True)
+        import zmq.asyncio  # NOTE: after the spawn (see the module's docstring)
+
+        self._noblock = zmq.NOBLOCK
+        self._ctx = zmq.asyncio.Context()
         # NOTE: a plain socket for sending, so callers need not await (PUSH never blocks
         # with an unbounded queue); an asyncio socket for receiving
         self._input = zmq.Socket(self._ctx, zmq.PUSH)
@@ -77,12 +84,6 @@ class CoreClient:
         self._output.setsockopt(zmq.LINGER, 0)
         self._output.bind(out_addr)
         self._codec = Codec(FromCore)
-        cmd = [sys.executable, "-m", "nybble.runtime.core_process", "--input-address", in_addr,
-               "--output-address", out_addr, "--parent-pid", str(os.getpid()),
-               "--log-level", log_level, "--config", encode_config(config)]
-        # NOTE: a session of its own: a terminal's Ctrl-C (or a signal to our process group)
-        # reaches only this process, which then shuts the core down in order
-        self.proc = subprocess.Popen(cmd, start_new_session=True)
         self.exit_code: int | None = None
         self.on_exit: Callable[[int], None] | None = None
         self._exit_event: asyncio.Event | None = None
@@ -233,7 +234,7 @@ class CoreClient:
         return self._call_id
 
     def _send(self, message: object) -> None:
-        self._input.send(self._codec.encode(message), flags=zmq.NOBLOCK)  # type: ignore[arg-type]
+        self._input.send(self._codec.encode(message), flags=self._noblock)  # type: ignore[arg-type]
 
     async def recv(self) -> object:
         """The next message from the core."""

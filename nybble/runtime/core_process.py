@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 import zmq
 
+from nybble.config import has_tokenizer_file
 from nybble.errors import NybbleError
 from nybble.runtime.messages import (
     Codec,
@@ -45,7 +46,6 @@ from nybble.runtime.messages import (
     UtilityResult,
     decode_config,
 )
-from nybble.runtime.tokenizer import has_tokenizer_file
 from nybble.runtime.torch_threads import apply_torch_threads
 from nybble.threads import resolve_threads, set_thread_env
 
@@ -149,7 +149,7 @@ class CoreProc:
             for request in msg.adds:
                 try:
                     self.core.add_request(request)
-                except Exception as e:  # noqa: BLE001 -- the gate checked it: a bug; fail it
+                except Exception as e:  # NOTE: the gate checked it: a bug; fail it
                     logger.exception("add_request(%s) failed", request.request_id)
                     self.send(RequestsFailed([request.request_id], _one_line(e)))
             if msg.finishes:
@@ -170,14 +170,14 @@ class CoreProc:
         self._idle_reported = False
         try:
             outputs = self.core.step()
-        except Exception as e:  # noqa: BLE001 -- fail the requests, keep the process
+        except Exception as e:  # NOTE: fail the requests, keep the process
             self._failures += 1
             logger.exception("engine step failed (%d in a row); failing the requests in the "
                              "core", self._failures)
             ids = self.core.request_ids()
             try:
                 self.core.abort_requests(ids)
-            except Exception:  # noqa: BLE001 -- already failing; report and go on
+            except Exception:  # NOTE: already failing; report and go on
                 logger.exception("aborting after a failed step failed")
             self.send(RequestsFailed(ids, f"the engine step failed: {_one_line(e)}"))
             if self._failures >= MAX_CONSECUTIVE_STEP_FAILURES:
@@ -219,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: "
                         "%(message)s", datefmt="%H:%M:%S")
     ctx = zmq.Context()
+    ctx.setsockopt(zmq.RECONNECT_IVL, 10)  # NOTE: ms; if we ever connect before the bind
     inputs = ctx.socket(zmq.PULL)
     inputs.connect(args.input_address)
     outputs = ctx.socket(zmq.PUSH)
@@ -230,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     except (NybbleError, ValueError, OSError) as e:
         outputs.send(codec.encode(EngineCoreStartupFailed(str(e), user_error=True)))
         return _close(ctx, 2)
-    except Exception as e:  # noqa: BLE001 -- a crash: the log has the traceback
+    except Exception as e:  # NOTE: a crash: the log has the traceback
         logger.exception("engine core failed to start")
         outputs.send(codec.encode(EngineCoreStartupFailed(
             f"the engine core failed to start: {_one_line(e)}", user_error=False)))

@@ -30,8 +30,8 @@ from nybble.runtime.messages import EngineCoreRequest, EngineStats
 from nybble.runtime.output_processor import OutputProcessor
 from nybble.runtime.request import Request
 from nybble.runtime.scheduler import Scheduler
-from nybble.sampling_params import SamplingParams
 from nybble.runtime.torch_threads import apply_torch_threads
+from nybble.sampling_params import SamplingParams
 
 __all__ = ["EngineStats", "LLMEngine"]
 

@@ -7,7 +7,8 @@ JSON text in its start-up handshake.
 """
 from __future__ import annotations
 
-from nybble.runtime.tokenizer import Tokenizer, has_tokenizer_file
+from nybble.config import has_tokenizer_file
+from nybble.runtime.tokenizer import Tokenizer
 
 
 def fast_tokenizer_json(folder: str) -> str:

@@ -23,7 +23,6 @@ torch (the API process imports it).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
 
 import msgspec
 
@@ -222,9 +221,9 @@ class EngineCoreFatal(msgspec.Struct, tag=True):
     message: str
 
 
-ToCore = Union[CoreInputs, UtilityCall, Shutdown]
-FromCore = Union[EngineCoreOutputs, EngineCoreReady, EngineCoreStartupFailed, UtilityResult,
-                 RequestsFailed, EngineCoreFatal]
+ToCore = CoreInputs | UtilityCall | Shutdown
+FromCore = (EngineCoreOutputs | EngineCoreReady | EngineCoreStartupFailed | UtilityResult
+            | RequestsFailed | EngineCoreFatal)
 
 
 class Codec:

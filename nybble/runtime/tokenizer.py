@@ -21,21 +21,15 @@ from typing import Any
 from tokenizers import Tokenizer as RustTokenizer
 from tokenizers.decoders import DecodeStream
 
+from nybble.config import TOKENIZER_FILE, has_tokenizer_file
 from nybble.errors import InvalidRequestError
 from nybble.runtime.chat_template import render_chat_template
 
-TOKENIZER_FILE = "tokenizer.json"
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token",
                  "mask_token")
 # transformers' clean_up_tokenization: spaces before punctuation and English contractions
 _CLEANUP = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
             (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
-
-
-def has_tokenizer_file(folder: str) -> bool:
-    """Whether ``folder`` holds a ``tokenizer.json`` (else it needs the transformers
-    conversion)."""
-    return os.path.isfile(os.path.join(folder, TOKENIZER_FILE))
 
 
 def _read_json(path: str) -> dict[str, Any]:

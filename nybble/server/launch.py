@@ -30,7 +30,7 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from nybble.config import EngineConfig
+from nybble.config import EngineConfig, has_tokenizer_file
 from nybble.runtime.core_client import CoreClient
 from nybble.server.config import ServerConfig
 
@@ -79,7 +79,7 @@ async def _serve(client: CoreClient, sock: socket.socket, engine_config: EngineC
 
     from nybble.runtime.async_engine import AsyncEngine
     from nybble.runtime.input_processor import InputProcessor
-    from nybble.runtime.tokenizer import Tokenizer, has_tokenizer_file
+    from nybble.runtime.tokenizer import Tokenizer
     from nybble.server.app import build_app
     from nybble.server.metrics import ServerMetrics
 

@@ -65,7 +65,7 @@ def test_pieces_equal_transformers_decode(tok) -> None:
     hf = AutoTokenizer.from_pretrained(DEFAULT_MODEL)
     prompt_ids = tok.encode("Once upon a time")
     out_ids = tok.encode("Once upon a time, Lily said: \"é 🙂!\"  ok.\n")[len(prompt_ids):]
-    pieces, text = _stream(tok, "Once upon a time", ", Lily said: \"é 🙂!\"  ok.\n")
+    _, text = _stream(tok, "Once upon a time", ", Lily said: \"é 🙂!\"  ok.\n")
     full = hf.decode(prompt_ids + out_ids, skip_special_tokens=True)
     assert full == hf.decode(prompt_ids, skip_special_tokens=True) + text
 

@@ -1,0 +1,96 @@
+"""A model folder's ``config.json`` read without transformers (the engine core's start-up).
+
+transformers' config classes fill in what a ``config.json`` leaves out, and importing them
+costs about as much as torch itself; the engine core needs only the fields its Llama-family
+decoder reads. :class:`HFConfig` holds the file's values over the defaults of transformers'
+``LlamaConfig``, ``MistralConfig`` and ``Qwen2Config`` (the architectures nybble builds), with
+the same derived fields (``head_dim``, ``num_key_value_heads``, Qwen2's ``sliding_window``)
+and RoPE parameters in transformers' standard form (``rope_parameters`` with ``rope_type`` and
+``rope_theta``). Tests compare every field nybble reads with ``AutoConfig``'s.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+# transformers' defaults of the fields nybble reads, by architecture
+_COMMON = {"hidden_act": "silu", "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+           "num_attention_heads": 32, "num_hidden_layers": 32, "hidden_size": 4096,
+           "head_dim": None}
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "LlamaForCausalLM": {**_COMMON, "vocab_size": 32000, "intermediate_size": 11008,
+                         "attention_bias": False, "mlp_bias": False,
+                         "num_key_value_heads": None, "max_position_embeddings": 2048,
+                         "bos_token_id": 1, "eos_token_id": 2},
+    "MistralForCausalLM": {**_COMMON, "vocab_size": 32000, "intermediate_size": 14336,
+                           "num_key_value_heads": 8, "max_position_embeddings": 4096 * 32,
+                           "sliding_window": 4096, "bos_token_id": 1, "eos_token_id": 2},
+    "Qwen2ForCausalLM": {**_COMMON, "vocab_size": 151936, "intermediate_size": 22016,
+                         "num_key_value_heads": 32, "max_position_embeddings": 32768,
+                         "use_sliding_window": False, "sliding_window": 4096,
+                         "bos_token_id": None, "eos_token_id": None},
+}
+_DEFAULT_THETA = 10000.0
+_ORIGINAL_LENGTH_ROPE_TYPES = ("llama3", "yarn", "longrope")
+
+
+class HFConfig:
+    """``config.json`` as attributes (``config.hidden_size``), transformers' defaults filled in.
+
+    A field that is neither in the file nor defaulted raises ``AttributeError``, so
+    ``getattr(config, name, default)`` behaves as with a transformers config.
+
+    Args:
+        raw: the parsed ``config.json``.
+    """
+
+    def __init__(self, raw: dict[str, Any]) -> None:
+        self.raw = raw
+        archs = list(raw.get("architectures") or [])
+        defaults = next((_DEFAULTS[a] for a in archs if a in _DEFAULTS), {})
+        values = {**defaults, **raw}
+        heads = values.get("num_attention_heads")
+        if values.get("head_dim") is None and heads:
+            values["head_dim"] = values["hidden_size"] // heads
+        if values.get("num_key_value_heads") is None:
+            values["num_key_value_heads"] = heads
+        if "use_sliding_window" in values and not values["use_sliding_window"]:
+            values["sliding_window"] = None      # NOTE: as Qwen2Config does
+        values["rope_parameters"] = _rope_parameters(raw, values)
+        self.__dict__.update(values)
+
+    def __getattr__(self, name: str) -> Any:
+        raise AttributeError(f"config.json has no {name!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The file's values (no defaults)."""
+        return dict(self.raw)
+
+
+def _rope_parameters(raw: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
+    """``rope_parameters`` (or the older ``rope_scaling``) with ``rope_type``, ``rope_theta``
+    and, for the scaled types that need it, ``original_max_position_embeddings``."""
+    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    params.setdefault("rope_type", params.get("type", "default"))
+    params.setdefault("rope_theta", raw.get("rope_theta", _DEFAULT_THETA))
+    if params["rope_type"] in _ORIGINAL_LENGTH_ROPE_TYPES:
+        params.setdefault("original_max_position_embeddings",
+                          raw.get("original_max_position_embeddings",
+                                  values.get("max_position_embeddings")))
+    return params
+
+
+def load_hf_config(model_dir: str) -> HFConfig:
+    """Read ``model_dir/config.json``.
+
+    Raises:
+        OSError: the file cannot be read.
+        ValueError: it is not a JSON object.
+    """
+    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+        raw = json.load(f)
+    if not isinstance(raw, dict):  # NOTE: a bad file, not a bad argument: one CLI line
+        raise ValueError(  # noqa: TRY004
+            f"config.json must hold a JSON object, got {type(raw).__name__} in {model_dir}")
+    return HFConfig(raw)
