@@ -1,8 +1,10 @@
-"""build_app: the FastAPI application around the API process's side of the engine.
+"""build_app: the FastAPI application; it serves before the engine is ready.
 
-The lifespan starts the :class:`AsyncEngine`'s output task when the server starts and, when
-it shuts down, ends the requests still in flight and stops the engine-core process; routers
-come from ``completions``, ``chat`` and ``routes_misc``.
+``nybble serve`` starts HTTP while the engine core still loads; :class:`Startup` (on
+``app.state.startup``) holds the requests that need the engine until the handshake arrived
+and :func:`attach_engine` made the :class:`ServerState`. The lifespan's shutdown ends the
+requests still in flight and stops the engine-core process. Routers come from
+``completions``, ``chat`` and ``routes_misc``.
 """
 from __future__ import annotations
 
@@ -12,52 +14,50 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from nybble.runtime.async_engine import AsyncEngine
-from nybble.runtime.input_processor import InputProcessor
-from nybble.runtime.tokenizer import Tokenizer
 from nybble.server import chat, completions, routes_misc
 from nybble.server.config import ServerConfig
 from nybble.server.errors import install_error_handlers
 from nybble.server.metrics import ServerMetrics
-from nybble.server.state import ServerState
+from nybble.server.state import ServerState, Startup
 from nybble.version import __version__
 
 logger = logging.getLogger(__name__)
 
 
-def build_app(engine: AsyncEngine, gate: InputProcessor, tokenizer: Tokenizer,
-              model_name: str, model_path: str, metrics: ServerMetrics,
-              config: ServerConfig) -> FastAPI:
-    """The OpenAI-compatible app serving ``engine``.
+def build_app(config: ServerConfig, metrics: ServerMetrics) -> FastAPI:
+    """The OpenAI-compatible app, waiting for its engine (:func:`attach_engine`).
 
     Args:
-        engine: the engine (its core process started and ready).
-        gate: the request gate, built from the core's handshake.
-        tokenizer: the model's tokenizer.
-        model_name: the name the API reports and accepts.
-        model_path: the model folder.
-        metrics: the Prometheus metrics (the engine's step observer).
         config: server settings (API key, stats interval, ...).
+        metrics: the Prometheus metrics (the engine's step observer).
     """
-    state = ServerState(engine=engine, input_processor=gate, config=config,
-                        model_name=model_name, model_path=model_path, tokenizer=tokenizer,
-                        max_model_len=gate.limits.max_model_len, metrics=metrics)
+    startup = Startup()
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        engine.start()
-        logger.info("serving %s at %s/v1 (OpenAI API; also /health, /metrics)",
-                    model_name, config.url)
         try:
             yield
         finally:
-            await engine.shutdown()
+            startup.failed("the server is shutting down")
+            if startup.state is not None:
+                await startup.state.engine.shutdown()
 
     app = FastAPI(title="nybble", version=__version__, lifespan=lifespan)
-    app.state.nybble = state
+    app.state.startup = startup
+    app.state.server_config = config
+    app.state.metrics = metrics
     install_error_handlers(app)
     app.include_router(completions.router)
     app.include_router(chat.router)
     app.include_router(routes_misc.v1_router)
     app.include_router(routes_misc.router)
     return app
+
+
+def attach_engine(app: FastAPI, state: ServerState) -> None:
+    """Start serving ``state.engine`` (its core is ready): requests held until now proceed."""
+    state.engine.start()
+    startup: Startup = app.state.startup
+    startup.ready(state)
+    logger.info("serving %s at %s/v1 (OpenAI API; also /health, /metrics)",
+                state.model_name, state.config.url)

@@ -9,8 +9,8 @@ import hmac
 
 from fastapi import Request
 
+from nybble.server.config import ServerConfig
 from nybble.server.errors import AuthenticationError
-from nybble.server.state import get_state
 
 
 async def require_api_key(request: Request) -> None:
@@ -19,7 +19,8 @@ async def require_api_key(request: Request) -> None:
     Raises:
         AuthenticationError: the header is missing, malformed, or holds another key (401).
     """
-    expected = get_state(request).config.api_key
+    config: ServerConfig = request.app.state.server_config
+    expected = config.api_key
     if not expected:
         return
     header = request.headers.get("authorization", "")

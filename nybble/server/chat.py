@@ -19,10 +19,10 @@ from nybble.server.responses import (
     UsageInfo,
 )
 from nybble.server.serving import arrival, new_id, render_chat, sampling_params, serve
-from nybble.server.state import ServerState, get_state
+from nybble.server.state import ServerState, get_state, wait_ready
 from nybble.server.streams import Delta, sse, usage_of
 
-router = APIRouter(dependencies=[Depends(require_api_key)])
+router = APIRouter(dependencies=[Depends(require_api_key), Depends(wait_ready)])
 
 
 @router.post("/v1/chat/completions", response_model=None)

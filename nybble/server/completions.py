@@ -11,10 +11,10 @@ from nybble.server.logprobs import TokenDecoder, completion_logprobs
 from nybble.server.protocol import CompletionRequest
 from nybble.server.responses import CompletionChoice, CompletionResponse, UsageInfo
 from nybble.server.serving import arrival, new_id, sampling_params, serve
-from nybble.server.state import ServerState, get_state
+from nybble.server.state import ServerState, get_state, wait_ready
 from nybble.server.streams import Delta, sse, usage_of
 
-router = APIRouter(dependencies=[Depends(require_api_key)])
+router = APIRouter(dependencies=[Depends(require_api_key), Depends(wait_ready)])
 
 
 def prompt_list(req: CompletionRequest) -> list[str | list[int]]:

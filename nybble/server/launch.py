@@ -5,10 +5,12 @@ Order (the core's torch import and model load overlap this process's start-up):
 1. cheap checks (model folder, tokenizer folder) and binding the port: a bad path or a busy
    port fails at once with one line;
 2. start the engine-core process (:class:`CoreClient`);
-3. meanwhile import the web stack and load the tokenizer (``tokenizer.json``);
-4. wait for the core's handshake (KV pool, limits, EOS ids); a start-up error in the core
-   becomes one :class:`EngineStartupError` line here (exit code 2 from the CLI);
-5. build the app and run uvicorn on the bound socket.
+3. meanwhile import the web stack, load the tokenizer (``tokenizer.json``) and start uvicorn
+   on the bound socket: ``/health`` answers 503 and API requests wait until the engine is
+   ready;
+4. the core's handshake (KV pool, limits, EOS ids) completes the app (request gate, engine);
+   a start-up error in the core stops uvicorn and becomes one :class:`EngineStartupError`
+   line (exit code 2 from the CLI).
 
 Signals: the first SIGINT or SIGTERM stops accepting connections and ends every request in
 flight at once (streams end with ``finish_reason: "abort"`` and ``[DONE]``, waiting callers get
@@ -35,7 +37,7 @@ from nybble.runtime.core_client import CoreClient
 from nybble.server.config import ServerConfig
 
 if TYPE_CHECKING:
-    from nybble.runtime.async_engine import AsyncEngine
+    from nybble.server.state import Startup
 
 logger = logging.getLogger(__name__)
 
@@ -80,30 +82,62 @@ async def _serve(client: CoreClient, sock: socket.socket, engine_config: EngineC
     from nybble.runtime.async_engine import AsyncEngine
     from nybble.runtime.input_processor import InputProcessor
     from nybble.runtime.tokenizer import Tokenizer
-    from nybble.server.app import build_app
+    from nybble.server.app import attach_engine, build_app
     from nybble.server.metrics import ServerMetrics
+    from nybble.server.state import ServerState
 
     mc = engine_config.model_config
     folder = mc.tokenizer_folder
     tokenizer = Tokenizer.from_folder(folder) if has_tokenizer_file(folder) else None
-    ready = await client.wait_ready()
+    model_name = server_config.served_model_name or mc.name
+    metrics = ServerMetrics(model_name)
+    app = build_app(server_config, metrics)
+    startup = app.state.startup
+    config = uvicorn.Config(app, host=server_config.host, port=server_config.port,
+                            log_level=server_config.uvicorn_log_level,
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    server = _server_class()(config, startup)
+    serving = asyncio.create_task(server.serve(sockets=[sock]))
+    handshake = asyncio.ensure_future(client.wait_ready())
+    await asyncio.wait({serving, handshake}, return_when=asyncio.FIRST_COMPLETED)
+    if not handshake.done():  # NOTE: stopped (a signal) while the model was loading
+        handshake.cancel()
+        startup.failed("the server stopped before the engine was ready")
+        await serving
+        return
+    try:
+        ready = handshake.result()
+    except BaseException as e:
+        startup.failed(str(e))
+        server.should_exit = True
+        await serving
+        raise
     if tokenizer is None:  # NOTE: converted by transformers in the core
         tokenizer = Tokenizer.from_folder(folder, ready.tokenizer_json)
     logger.info("engine ready in %.2f s (engine core pid %d, %d torch threads)",
                 time.monotonic() - t0, ready.pid, ready.threads)
-    model_name = server_config.served_model_name or mc.name
-    metrics = ServerMetrics(model_name)
     engine = AsyncEngine(client, tokenizer, observer=metrics.observe,
                          log_stats=server_config.log_stats,
                          stats_interval_s=server_config.stats_interval_s)
     gate = InputProcessor(tokenizer, ready.limits, ready.eos_token_ids)
-    app = build_app(engine, gate, tokenizer, model_name, mc.model, metrics, server_config)
-    config = uvicorn.Config(app, host=server_config.host, port=server_config.port,
-                            log_level=server_config.uvicorn_log_level,
-                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    attach_engine(app, ServerState(
+        engine=engine, input_processor=gate, config=server_config, model_name=model_name,
+        model_path=mc.model, tokenizer=tokenizer, max_model_len=ready.limits.max_model_len,
+        metrics=metrics))
+    await serving
+
+
+def _server_class() -> type:
+    """uvicorn's ``Server`` with nybble's signal handling (a function: uvicorn is imported
+    only after the core process started)."""
+    import uvicorn
 
     class Server(uvicorn.Server):
         """uvicorn's server with nybble's signal handling (see the module's docstring)."""
+
+        def __init__(self, config: uvicorn.Config, startup: Startup) -> None:
+            super().__init__(config)
+            self.nybble_startup = startup
 
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:
@@ -114,28 +148,33 @@ async def _serve(client: CoreClient, sock: socket.socket, engine_config: EngineC
                 return
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(sig, _on_signal, self, engine, client, sig)
+                loop.add_signal_handler(sig, self.on_signal, sig)
             try:
                 yield
             finally:
                 for sig in (signal.SIGINT, signal.SIGTERM):
                     loop.remove_signal_handler(sig)
 
-    await Server(config).serve(sockets=[sock])
+        def on_signal(self, sig: int) -> None:
+            """First signal: graceful shutdown (requests in flight end now); second: exit
+            now."""
+            name = signal.Signals(sig).name
+            state = self.nybble_startup.state
+            if self.should_exit:
+                logger.warning("%s again: exiting now", name)
+                if state is not None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(state.engine.client.pid, signal.SIGKILL)
+                sys.stderr.flush()
+                os._exit(128 + sig)
+            logger.info("%s: shutting down; ending the requests in flight", name)
+            self.should_exit = True
+            if state is not None:
+                state.engine.begin_shutdown()
+            else:
+                self.nybble_startup.failed("the server is shutting down")
 
-
-def _on_signal(server: object, engine: AsyncEngine, client: CoreClient, sig: int) -> None:
-    """First signal: graceful shutdown (requests in flight end now); second: exit now."""
-    name = signal.Signals(sig).name
-    if getattr(server, "should_exit", False):
-        logger.warning("%s again: exiting now", name)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(client.pid, signal.SIGKILL)
-        sys.stderr.flush()
-        os._exit(128 + sig)
-    logger.info("%s: shutting down; ending the requests in flight", name)
-    server.should_exit = True  # type: ignore[attr-defined]
-    engine.begin_shutdown()
+    return Server
 
 
 def _bind(host: str, port: int) -> socket.socket:

@@ -10,14 +10,16 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from nybble.errors import InvalidRequestError
 from nybble.server.auth import require_api_key
+from nybble.server.metrics import ServerMetrics
 from nybble.server.protocol import DetokenizeRequest, TokenizeRequest
 from nybble.server.responses import ModelCard, ModelList
 from nybble.server.serving import render_chat
-from nybble.server.state import get_state
+from nybble.server.state import Startup, get_state, wait_ready
 from nybble.version import __version__
 
-v1_router = APIRouter(dependencies=[Depends(require_api_key)])
+v1_router = APIRouter(dependencies=[Depends(require_api_key), Depends(wait_ready)])
 router = APIRouter()
+_READY = [Depends(wait_ready)]
 
 
 @v1_router.get("/v1/models")
@@ -30,9 +32,11 @@ async def list_models(request: Request) -> ModelList:
 
 @router.get("/health")
 async def health(request: Request) -> Response:
-    """200 while the engine core process runs and can step, 503 otherwise (dead core,
-    repeated step failures, shutting down)."""
-    return Response(status_code=200 if get_state(request).engine.is_running else 503)
+    """200 while the engine core process runs and can step, 503 otherwise (still starting,
+    dead core, repeated step failures, shutting down)."""
+    startup: Startup = request.app.state.startup
+    ok = startup.state is not None and startup.state.engine.is_running
+    return Response(status_code=200 if ok else 503)
 
 
 @router.get("/version")
@@ -41,7 +45,7 @@ async def version() -> dict[str, str]:
     return {"version": __version__}
 
 
-@router.post("/tokenize")
+@router.post("/tokenize", dependencies=_READY)
 async def tokenize(req: TokenizeRequest, request: Request) -> dict[str, Any]:
     """Token ids of ``prompt`` (or of chat ``messages`` rendered with the chat template).
 
@@ -61,7 +65,7 @@ async def tokenize(req: TokenizeRequest, request: Request) -> dict[str, Any]:
             "token_strs": None}
 
 
-@router.post("/detokenize")
+@router.post("/detokenize", dependencies=_READY)
 async def detokenize(req: DetokenizeRequest, request: Request) -> dict[str, str]:
     """The text of token ids.
 
@@ -77,10 +81,11 @@ async def detokenize(req: DetokenizeRequest, request: Request) -> dict[str, str]
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
     """Prometheus text exposition."""
-    return Response(get_state(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    metrics: ServerMetrics = request.app.state.metrics
+    return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
-@router.get("/internal/stats")
+@router.get("/internal/stats", dependencies=_READY)
 async def internal_stats(request: Request) -> dict[str, Any]:
     """The engine core's counters as JSON, read between two of its steps."""
     return stats_dict(await get_state(request).engine.get_stats())

@@ -1,12 +1,20 @@
-"""ServerState: what every route handler needs, stored once on ``app.state.nybble``."""
+"""ServerState: what every route handler needs; Startup: whether the engine is ready yet.
+
+HTTP starts while the engine core still loads (``nybble.server.launch``), so the app holds a
+:class:`Startup` from the beginning and gets its :class:`ServerState` once the core's
+handshake arrived. Routes that need the engine depend on :func:`wait_ready` (a request that
+arrives early waits for the engine instead of failing); ``/health`` answers 503 until then.
+"""
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from fastapi import Request
 
 from nybble.errors import ModelNotFoundError
+from nybble.runtime.async_engine import EngineDeadError
 
 if TYPE_CHECKING:
     from nybble.runtime.async_engine import AsyncEngine
@@ -18,7 +26,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class ServerState:
-    """The server's shared objects.
+    """The server's shared objects, once the engine is ready.
 
     Attributes:
         engine: the API process's side of the engine (talks to the engine-core process).
@@ -51,7 +59,49 @@ class ServerState:
                 f"The model `{model}` does not exist; this server serves `{self.model_name}`")
 
 
+class Startup:
+    """The engine's readiness: :meth:`ready` with the state, or :meth:`failed` with why."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+        self.state: ServerState | None = None
+        self.error: str | None = None
+
+    def ready(self, state: ServerState) -> None:
+        """The engine is ready: release the waiting requests."""
+        self.state = state
+        self._event.set()
+
+    def failed(self, why: str) -> None:
+        """The engine will not be ready (start-up failed, or the server is stopping)."""
+        self.error = why
+        self._event.set()
+
+    async def wait(self) -> ServerState:
+        """The state, once ready.
+
+        Raises:
+            EngineDeadError: the engine failed to start (503).
+        """
+        await self._event.wait()
+        if self.state is None:
+            raise EngineDeadError(self.error or "the engine is not running")
+        return self.state
+
+
+async def wait_ready(request: Request) -> None:
+    """FastAPI dependency: hold the request until the engine is ready.
+
+    Raises:
+        EngineDeadError: the engine failed to start (503).
+    """
+    startup: Startup = request.app.state.startup
+    await startup.wait()
+
+
 def get_state(request: Request) -> ServerState:
-    """The :class:`ServerState` of the app serving ``request``."""
-    state: ServerState = request.app.state.nybble
+    """The :class:`ServerState` of the app serving ``request`` (routes that use it depend on
+    :func:`wait_ready`)."""
+    state = request.app.state.startup.state
+    assert state is not None, "a route that needs the engine must depend on wait_ready"
     return state

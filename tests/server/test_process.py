@@ -20,6 +20,7 @@ import pytest
 from tests.server.conftest import (
     Server,
     _free_port,
+    children,
     core_pid,
     pid_alive,
     start_server,
@@ -188,3 +189,37 @@ def test_missing_model_folder_fails_before_starting_the_core(tmp_path: Path) -> 
                               timeout=60, check=False)
         assert proc.returncode == 2
         assert proc.stderr.count("\n") == 1 and what in proc.stderr, proc.stderr
+
+
+def test_http_answers_while_the_core_loads_and_requests_wait_for_it(tmp_path: Path) -> None:
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "nybble", "serve", "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    try:
+        deadline = time.monotonic() + 60
+        while not children(proc.pid):   # NOTE: the core is spawned first thing
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.002)
+        core = core_pid(proc.pid)
+        os.kill(core, signal.SIGSTOP)   # hold the core before its handshake
+        health = None
+        while health is None:
+            try:
+                health = httpx.get(f"{url}/health", timeout=5).status_code
+            except httpx.TransportError:
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.02)
+        assert health == 503            # listening, the engine not ready
+        early = _Blocking(url)
+        early.start()
+        time.sleep(0.5)
+        assert early.is_alive()         # waiting for the engine, not refused
+        os.kill(core, signal.SIGCONT)
+        early.join(120)
+        status, body = early.result
+        assert status == 200 and body["usage"]["completion_tokens"] == 480
+        assert httpx.get(f"{url}/health", timeout=5).status_code == 200
+    finally:
+        stop_server(proc)
