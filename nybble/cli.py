@@ -52,9 +52,18 @@ class _OnlyChosen:
         self._sub, self._chosen = sub, chosen
 
     def add_parser(self, name: str, **kwargs: object) -> argparse.ArgumentParser:
-        if name == self._chosen:
-            return self._sub.add_parser(name, **kwargs)
-        return _Parser(prog=name, add_help=False)  # NOTE: not reachable from the command line
+        if name != self._chosen:
+            return _Parser(prog=name, add_help=False)  # NOTE: not reachable from the command line
+        parser = self._sub.add_parser(name, **kwargs)
+        # NOTE: also after the subcommand; SUPPRESS keeps the value given before it
+        _add_log_level(parser, default=argparse.SUPPRESS)
+        return parser
+
+
+def _add_log_level(parser: argparse.ArgumentParser, default: str) -> None:
+    parser.add_argument("--log-level", default=default,
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                        help="logging level (default: INFO)")
 
 
 def chosen_subcommand(argv: list[str]) -> str | None:
@@ -69,8 +78,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         prog="nybble",
         description="nybble: quantization-first LLM inference and serving engine.")
     parser.add_argument("--version", action="version", version=f"nybble {__version__}")
-    parser.add_argument("--log-level", default="INFO",
-                        choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="logging level")
+    _add_log_level(parser, default="INFO")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     chosen = None if argv is None else chosen_subcommand(argv)
