@@ -26,8 +26,8 @@ from nybble.runtime.messages import (
     RequestLimits,
 )
 from nybble.runtime.model_runner import ModelRunner
-from nybble.runtime.request import FinishReason
 from nybble.runtime.scheduler import Scheduler
+from nybble.runtime.sequence import FinishReason
 
 logger = logging.getLogger(__name__)
 
