@@ -27,6 +27,8 @@ from tests.server.conftest import (
     stop_server,
 )
 
+pytestmark = [pytest.mark.server]
+
 LONG = {"model": "stories260k", "prompt": "Once upon a time", "max_tokens": 480,
         "ignore_eos": True, "temperature": 0.0}
 EXIT_BOUND_S = 10.0
@@ -88,6 +90,7 @@ def test_api_process_never_loads_torch(server: Server) -> None:
     assert "libtorch" in _maps(core_pid(server.pid))   # the check can see torch where it is
 
 
+@pytest.mark.slow
 def test_core_death_fails_requests_and_turns_unhealthy(tmp_path: Path) -> None:
     log = tmp_path / "serve.log"
     proc, url = start_server(log)
@@ -115,6 +118,7 @@ def test_core_death_fails_requests_and_turns_unhealthy(tmp_path: Path) -> None:
     assert "Traceback" not in log.read_text()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
 def test_the_core_never_outlives_the_api_process(tmp_path: Path, sig: int) -> None:
     proc, _ = start_server(tmp_path / "serve.log")
@@ -128,6 +132,7 @@ def test_the_core_never_outlives_the_api_process(tmp_path: Path, sig: int) -> No
     assert proc.returncode == (0 if sig == signal.SIGTERM else -signal.SIGKILL)
 
 
+@pytest.mark.slow
 def test_sigterm_ends_requests_in_flight_cleanly(tmp_path: Path) -> None:
     log = tmp_path / "serve.log"
     proc, url = start_server(log)
@@ -155,6 +160,7 @@ def test_sigterm_ends_requests_in_flight_cleanly(tmp_path: Path) -> None:
     assert "Traceback" not in log.read_text()
 
 
+@pytest.mark.slow
 def test_second_signal_exits_at_once(tmp_path: Path) -> None:
     proc, _ = start_server(tmp_path / "serve.log")
     try:
@@ -168,6 +174,7 @@ def test_second_signal_exits_at_once(tmp_path: Path) -> None:
     assert _wait_gone(core)
 
 
+@pytest.mark.slow
 def test_core_start_up_error_is_one_line_and_exit_code_2() -> None:
     proc = subprocess.run([sys.executable, "-m", "nybble", "serve", "--port",
                            str(_free_port()), "--max-model-len", "100000"],
@@ -191,6 +198,7 @@ def test_missing_model_folder_fails_before_starting_the_core(tmp_path: Path) -> 
         assert proc.stderr.count("\n") == 1 and what in proc.stderr, proc.stderr
 
 
+@pytest.mark.slow
 def test_http_answers_while_the_core_loads_and_requests_wait_for_it(tmp_path: Path) -> None:
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
