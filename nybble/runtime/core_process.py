@@ -101,7 +101,7 @@ class CoreProc:
 
     def send(self, message: object) -> None:
         """Encode and push one message to the API process."""
-        self.outputs.send(self.codec.encode(message), copy=False)  # type: ignore[arg-type]
+        self.outputs.send(self.codec.encode(message))  # NOTE: small: copying beats zero-copy
 
     def run(self) -> int:
         """Serve until :class:`Shutdown`, the parent's death or a fatal failure; returns the
