@@ -10,11 +10,17 @@ from nybble.threads import WAIT_POLICY_ENV, resolve_threads, set_thread_env
 logger = logging.getLogger(__name__)
 
 
+_applied: list[int] = []   # the value last applied in this process
+
+
 def apply_torch_threads(threads: int, source: str) -> None:
-    """Set torch's intra-op threads (imports torch) and log the setting once."""
+    """Set torch's intra-op threads (imports torch); log the setting when it changes."""
     import torch
 
     torch.set_num_threads(threads)
+    if _applied == [threads]:
+        return
+    _applied[:] = [threads]
     logger.info("torch intra-op threads: %d (%s; %s=%s)", threads, source, WAIT_POLICY_ENV,
                 os.environ.get(WAIT_POLICY_ENV, "unset"))
 
