@@ -4,14 +4,33 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 
+from nybble.config import check_model_dir
 from nybble.runtime.torch_threads import setup_threads
 from nybble.threads import add_threads_arg
 
 logger = logging.getLogger(__name__)
 
 
+def check_out_dir(model_dir: str, out_dir: str) -> None:
+    """Refuse an output folder that would overwrite the source model (checked before
+    anything is written or imported).
+
+    Raises:
+        ValueError: ``out_dir`` is the model folder or inside it, or is a file.
+    """
+    src, out = os.path.realpath(model_dir), os.path.realpath(out_dir)
+    if out == src or out.startswith(src + os.sep):
+        raise ValueError(f"--out must be a folder outside the source model folder {model_dir!r} "
+                         f"(its weights would be overwritten), got {out_dir!r}")
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"--out must be a folder, got {out_dir!r}, which is a file")
+
+
 def _quantize(args: argparse.Namespace) -> int:
+    check_model_dir(args.model)
+    check_out_dir(args.model, args.out)
     setup_threads(args.threads)  # NOTE: before torch is imported (next line)
     from nybble.quantize.driver import QuantizeOptions, quantize_model
 
@@ -34,6 +53,7 @@ def _quantize(args: argparse.Namespace) -> int:
 
 
 def _eval_ppl(args: argparse.Namespace) -> int:
+    check_model_dir(args.model)
     setup_threads(args.threads)  # NOTE: before torch is imported
     from transformers import AutoTokenizer
 

@@ -152,7 +152,8 @@ def quantize_model(model_dir: str, out_dir: str, opts: QuantizeOptions,
         Summary: ``{"quantized": [...], "skipped": {name: reason}, "config": dict}``.
 
     Raises:
-        ValueError: bad options or empty calibration text.
+        ValueError: bad options, empty calibration text, or no linear layer can be
+            quantized with these options (nothing is written then).
     """
     from transformers import AutoTokenizer
 
@@ -172,6 +173,11 @@ def quantize_model(model_dir: str, out_dir: str, opts: QuantizeOptions,
                 skipped[f"model.layers.{i}.{n}"] = why
                 logger.warning("leaving model.layers.%d.%s unquantized: %s", i, n, why)
         names_per_layer.append(ok)
+    if not any(names_per_layer):
+        name, why = next(iter(skipped.items()), ("the model", "it has no decoder layers"))
+        raise ValueError(f"nothing to quantize: all {len(skipped)} linear layers would stay "
+                         f"dense ({name}: {why}); choose a --group-size that divides the "
+                         f"layers' input widths")
     results: dict[str, GPTQResult] = {}
     if opts.method == "rtn":
         for i, layer in enumerate(layers):

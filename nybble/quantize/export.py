@@ -86,7 +86,11 @@ def write_model_folder(model: nn.Module, src_dir: str, out_dir: str,
     for prefix, d in qtensors.items():
         for k, t in d.items():
             tensors[f"{prefix}.{k}"] = t.contiguous()
-    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    weights = os.path.join(out_dir, "model.safetensors")
+    save_file(tensors, weights, metadata={"format": "pt"})
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(weights, 0o666 & ~umask)  # NOTE: safetensors writes 0600; other files get 0644
     hf_config["quantization_config"] = qconfig
     with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
         json.dump(hf_config, f, indent=2)
