@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from nybble.config import model_weight_files
 from nybble.errors import UnsupportedModelError
 from nybble.quant.linear import AWQLinear, CompressedPackedLinear, GPTQLinear, Int8W8A8Linear
 
@@ -77,13 +78,13 @@ def _checkpoint_keys(model_dir: str) -> dict[str, str] | None:
     """``tensor name -> safetensors dtype`` over the model's weight files (headers only)."""
     from safetensors import safe_open
 
-    files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors")
-                   and not f.startswith("reference_outputs"))
-    if not files:
-        return None
+    try:
+        files = model_weight_files(model_dir)
+    except UnsupportedModelError:
+        return None   # NOTE: the loader reports it
     keys: dict[str, str] = {}
-    for fname in files:
-        with safe_open(os.path.join(model_dir, fname), framework="pt") as f:
+    for path in files:
+        with safe_open(path, framework="pt") as f:
             for k in f.keys():
                 keys[k] = f.get_slice(k).get_dtype()
     return keys
