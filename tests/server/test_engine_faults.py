@@ -7,6 +7,7 @@ a fresh server."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import httpx
@@ -58,3 +59,22 @@ def test_faults_fail_only_their_request_and_the_engine_keeps_serving(
     text = log.read_text()
     assert "test fault injection is on" in text
     assert text.count("engine step failed") >= 2 and "add_request(" in text
+
+
+def test_three_failed_steps_in_a_row_turn_the_server_unhealthy(tmp_path: Path) -> None:
+    log = tmp_path / "serve.log"
+    proc, url = start_server(log, env={"NYBBLE_TEST_FAULTS": "forward@1,forward@2,forward@3"})
+    try:
+        with httpx.Client(base_url=url, timeout=120) as c:
+            for _ in range(3):
+                r = _complete(c)
+                assert r.status_code == 500 and r.json()["error"]["type"] == "internal_error"
+            deadline = time.monotonic() + 10   # NOTE: the fatal message follows the 500
+            while c.get("/health").status_code != 503:
+                assert time.monotonic() < deadline, "still healthy after 3 failed steps"
+                time.sleep(0.05)
+            r = _complete(c)
+            assert r.status_code == 503 and "can no longer step" in r.json()["error"]["message"]
+    finally:
+        stop_server(proc)
+    assert "3 engine steps failed in a row" in log.read_text()
