@@ -62,7 +62,7 @@ def check_model_dir(model_dir: str) -> None:
 WEIGHTS_INDEX = "model.safetensors.index.json"
 """The index of a sharded checkpoint (``weight_map``: tensor name -> shard file)."""
 _SHARD = re.compile(r"model-(\d+)-of-(\d+)\.safetensors")
-_AUTOGPTQ = re.compile(r"gptq_model-\d+bit-\d+g\.safetensors")
+_AUTOGPTQ = re.compile(r"gptq_model-\d+bit--?\d+g\.safetensors")  # group size -1 too
 
 
 def model_weight_files(model_dir: str) -> list[str]:
@@ -70,7 +70,7 @@ def model_weight_files(model_dir: str) -> list[str]:
     (reference outputs, adapters): the files of ``model.safetensors.index.json``; else
     ``model.safetensors``; else every shard ``model-i-of-n.safetensors``; else the file that
     AutoGPTQ names in ``quantize_config.json`` (``model_file_base_name``) or by default
-    (``gptq_model-4bit-128g.safetensors``).
+    (``gptq_model-4bit-128g.safetensors``, ``gptq_model-4bit--1g.safetensors``).
 
     Cheap (reads only the index and ``quantize_config.json``).
 

@@ -82,6 +82,9 @@ def test_autogptq_names(tmp_path: Path) -> None:
     default = _folder(tmp_path, "gptq_model-4bit-128g.safetensors", "other.safetensors",
                       quantize_config={"model_file_base_name": None})
     assert _names(default) == ["gptq_model-4bit-128g.safetensors"]
+    shutil.rmtree(default)
+    per_channel = _folder(tmp_path, "gptq_model-4bit--1g.safetensors", "x.safetensors")
+    assert _names(per_channel) == ["gptq_model-4bit--1g.safetensors"]
 
 
 @pytest.mark.parametrize("files,fragment", [
