@@ -6,18 +6,105 @@ gate (:mod:`nybble.runtime.input_processor`; ``InvalidRequestError`` -> 400). Un
 fields are ignored, as OpenAI clients send fields nybble does not use (``user``,
 ``metadata``, ...); the fields nybble does not implement (penalties, ``logit_bias``,
 ``best_of`` other than ``n``, ``suffix``, ``tools``, non-text ``response_format``, ``echo`` with
-``logprobs``) are declared, and the validators below refuse a non-neutral value with a 400
-naming the field instead of silently ignoring it: this is the one place such refusals live.
+``logprobs``, content parts other than ``text``) are declared, and the validators below refuse
+a non-neutral value with a 400 naming the field instead of silently ignoring it: this is the
+one place such refusals live.
+
+Three rules hold for every request model, so the OpenAPI schema says exactly what is accepted
+(schema-conformance fuzzing relies on it):
+
+- types are strict (OpenAI's): ``"n": 1.0``, ``"n": "1"`` or ``"stream": 1`` are 400s, not
+  coerced; a float field takes an integer;
+- an optional field sent as JSON ``null`` is the same as the field left out (its default),
+  and the schema marks every optional field nullable;
+- every string is valid Unicode: a lone UTF-16 surrogate (``"\\ud800"`` in the JSON) is a 400
+  naming the field, before anything tokenizes or echoes it.
 """
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from nybble.errors import InvalidRequestError
+
+
+def _nullable_optionals(schema: dict[str, Any]) -> None:
+    """JSON-schema hook: every property that is not required also accepts ``null``."""
+    required = set(schema.get("required", ()))
+    for name, prop in schema.get("properties", {}).items():
+        if name in required or _allows_null(prop):
+            continue
+        keep = {k: prop.pop(k) for k in ("title", "default", "description") if k in prop}
+        schema["properties"][name] = {"anyOf": [prop, {"type": "null"}], **keep}
+
+
+def _allows_null(prop: dict[str, Any]) -> bool:
+    return prop.get("type") == "null" or any(_allows_null(p) for p in prop.get("anyOf", ()))
+
+
+def _first_surrogate(value: Any) -> str | None:
+    """A description of the first lone surrogate in ``value`` (strings inside lists and
+    dicts, keys included), or ``None``."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return f"U+{ord(value[e.start]):04X} at character {e.start}"
+        return None
+    if isinstance(value, dict):
+        items: list[Any] = [*value.keys(), *value.values()]
+    elif isinstance(value, list):
+        items = value
+    else:
+        return None
+    for item in items:
+        found = _first_surrogate(item)
+        if found is not None:
+            return found
+    return None
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """Strict types; ``null`` = omitted; every optional field nullable in the schema."""
+
+    model_config = ConfigDict(extra="ignore", strict=True,
+                              json_schema_extra=_nullable_optionals)  # type: ignore[typeddict-item]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_omitted(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
+
+class _Body(_Request):
+    """A whole request body: its strings are checked for lone surrogates first.
+
+    NOTE: the :class:`InvalidRequestError` (a ``ValueError``) carries the top-level field as
+    its ``param``, which the 400 handler reports.
+    """
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for key, value in data.items():
+                found = _first_surrogate(key) or _first_surrogate(value)
+                if found is not None:
+                    name = key if _first_surrogate(key) is None else "body"
+                    raise InvalidRequestError(
+                        f"{name} must be valid Unicode text, got a lone surrogate {found}",
+                        param=name)
+        return data
 
 
 class StreamOptions(BaseModel):
@@ -26,7 +113,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _SamplingFields(_Request):
+class _SamplingFields(_Body):
     """Fields shared by completions and chat completions (OpenAI + vLLM extensions)."""
 
     model: str | None = None
@@ -40,7 +127,7 @@ class _SamplingFields(_Request):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     stream: bool = False
-    stream_options: StreamOptions | None = None
+    stream_options: StreamOptions | None = None    # NOTE: after stream (its validator)
     user: str | None = None
     # Not implemented: only their neutral values are accepted (the validators below).
     presence_penalty: float | None = None
@@ -51,6 +138,15 @@ class _SamplingFields(_Request):
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     suffix: str | None = None
+
+    @field_validator("stream_options")
+    @classmethod
+    def _options_need_stream(cls, value: StreamOptions | None,
+                             info: ValidationInfo) -> StreamOptions | None:
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed with stream: true (OpenAI's "
+                             "rule), got stream_options without it")
+        return value
 
     @field_validator("presence_penalty", "frequency_penalty", "repetition_penalty")
     @classmethod
@@ -118,10 +214,20 @@ class CompletionRequest(_SamplingFields):
 
 
 class ContentPart(_Request):
-    """One part of a message's content; only ``text`` parts are supported."""
+    """One part of a message's content; only ``text`` parts are supported (the served models
+    read text only), any other ``type`` is a 400 naming it."""
 
-    type: str = "text"
+    type: str = Field("text", json_schema_extra={"enum": ["text"]})
     text: str = ""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data: Any) -> Any:
+        kind = data.get("type", "text") if isinstance(data, dict) else "text"
+        if kind != "text":
+            raise ValueError(f"content part type must be 'text' (nybble serves text-only "
+                             f"models), got {kind!r}")
+        return data
 
 
 class ChatMessage(_Request):
@@ -164,7 +270,7 @@ class ChatCompletionRequest(_SamplingFields):
         return value
 
 
-class TokenizeRequest(_Request):
+class TokenizeRequest(_Body):
     """``POST /tokenize`` (vLLM): either ``prompt`` or chat ``messages``."""
 
     model: str | None = None
@@ -174,7 +280,7 @@ class TokenizeRequest(_Request):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(_Request):
+class DetokenizeRequest(_Body):
     """``POST /detokenize`` (vLLM)."""
 
     model: str | None = None
