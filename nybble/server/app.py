@@ -9,6 +9,7 @@ from ``middleware``; the OpenAPI document from ``openapi``.
 """
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -65,6 +66,10 @@ def build_app(config: ServerConfig, metrics: ServerMetrics) -> FastAPI:
 def attach_engine(app: FastAPI, state: ServerState) -> None:
     """Start serving ``state.engine`` (its core is ready): requests held until now proceed."""
     state.engine.start()
+    # NOTE: the start-up objects (web stack, schemas, tokenizer) never die: moved out of the
+    # collector's sight, so its full collections, which hold the GIL, stay short under load
+    gc.collect()
+    gc.freeze()
     startup: Startup = app.state.startup
     startup.ready(state)
     logger.info("serving %s at %s/v1 (OpenAI API; also /health, /metrics)",

@@ -8,6 +8,7 @@ scrapers. The OpenAPI document declares the bearer scheme on the protected route
 from __future__ import annotations
 
 import hmac
+from typing import Annotated
 
 from fastapi import Request, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -18,8 +19,9 @@ from nybble.server.errors import AuthenticationError
 _BEARER = HTTPBearer(auto_error=False, description="the server's --api-key, when it has one")
 
 
-async def require_api_key(request: Request,
-                          _: HTTPAuthorizationCredentials | None = Security(_BEARER)) -> None:
+async def require_api_key(
+        request: Request,
+        _: Annotated[HTTPAuthorizationCredentials | None, Security(_BEARER)]) -> None:
     """FastAPI dependency: accept ``Authorization: Bearer <key>`` when a key is configured.
 
     Raises:

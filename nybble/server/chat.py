@@ -4,10 +4,11 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from nybble.outputs import RequestOutput
+from nybble.outputs import CompletionOutput, RequestOutput
 from nybble.runtime.input_processor import ParamNames
 from nybble.server.auth import require_api_key
 from nybble.server.logprobs import SampleDecoder, chat_logprobs
+from nybble.server.openapi import generation_responses
 from nybble.server.protocol import ChatCompletionRequest
 from nybble.server.responses import (
     AssistantMessage,
@@ -18,8 +19,14 @@ from nybble.server.responses import (
     DeltaMessage,
     UsageInfo,
 )
-from nybble.server.openapi import generation_responses
-from nybble.server.serving import arrival, new_id, render_chat, sampling_params, serve
+from nybble.server.serving import (
+    arrival,
+    json_response,
+    new_id,
+    render_chat,
+    sampling_params,
+    serve,
+)
 from nybble.server.state import ServerState, get_state, wait_ready
 from nybble.server.streams import Delta, sse, usage_of
 
@@ -70,7 +77,7 @@ class ChatRenderer:
 
     def text_offsets(self) -> None:
         """Chat choices start empty."""
-        return None
+        return
 
     def _chunk(self, choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
         return sse(ChatCompletionChunk(id=self.request_id, model=self.state.model_name,
@@ -96,17 +103,17 @@ class ChatRenderer:
         """The usage chunk (empty ``choices``)."""
         return self._chunk([], usage)
 
-    def response(self, finals: list[RequestOutput]) -> ChatCompletionResponse:
-        """The ``chat.completion`` object."""
+    def response(self, finals: list[RequestOutput]) -> Response:
+        """The ``chat.completion`` object (choices built and serialized one at a time)."""
         final = finals[0]
-        choices = []
-        for o in final.outputs:
-            lp = None
-            if self.top is not None and o.logprobs is not None:
-                decoder = SampleDecoder(self.state.tokenizer, final.prompt_token_ids)
-                lp = chat_logprobs(decoder, o.token_ids, o.logprobs, self.top)
-            choices.append(ChatChoice(index=o.index, message=AssistantMessage(content=o.text),
-                                      logprobs=lp,
-                                      finish_reason=o.finish_reason))  # type: ignore[arg-type]
-        return ChatCompletionResponse(id=self.request_id, model=self.state.model_name,
-                                      choices=choices, usage=usage_of(finals))
+        head = ChatCompletionResponse(id=self.request_id, model=self.state.model_name,
+                                      choices=[], usage=usage_of(finals))
+        return json_response(head, (self._choice(final, o) for o in final.outputs))
+
+    def _choice(self, final: RequestOutput, o: CompletionOutput) -> ChatChoice:
+        lp = None
+        if self.top is not None and o.logprobs is not None:
+            decoder = SampleDecoder(self.state.tokenizer, final.prompt_token_ids)
+            lp = chat_logprobs(decoder, o.token_ids, o.logprobs, self.top)
+        return ChatChoice(index=o.index, message=AssistantMessage(content=o.text), logprobs=lp,
+                          finish_reason=o.finish_reason)  # type: ignore[arg-type]

@@ -33,7 +33,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     limits.add_argument("--max-request-body-bytes", type=_parse_bytes,
                         default=DEFAULT_MAX_REQUEST_BODY_BYTES,
                         help="larger request bodies are refused with 413 before they are "
-                             "read (bytes, or e.g. 16MiB; default: 8MiB)")
+                             "read (bytes, or e.g. 16MiB; default: 2MiB)")
     limits.add_argument("--max-num-waiting-requests", type=int,
                         default=_DEFAULTS.max_num_waiting_requests,
                         help="admission control: while this many requests wait for their "

@@ -4,14 +4,14 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from nybble.outputs import RequestOutput
+from nybble.outputs import CompletionOutput, RequestOutput
 from nybble.runtime.input_processor import DEFAULT_NAMES
 from nybble.server.auth import require_api_key
 from nybble.server.logprobs import SampleDecoder, completion_logprobs
+from nybble.server.openapi import generation_responses
 from nybble.server.protocol import CompletionRequest
 from nybble.server.responses import CompletionChoice, CompletionResponse, UsageInfo
-from nybble.server.openapi import generation_responses
-from nybble.server.serving import arrival, new_id, sampling_params, serve
+from nybble.server.serving import arrival, json_response, new_id, sampling_params, serve
 from nybble.server.state import ServerState, get_state, wait_ready
 from nybble.server.streams import Delta, sse, usage_of
 
@@ -108,20 +108,19 @@ class CompletionRenderer:
         """The usage chunk (empty ``choices``)."""
         return self._chunk([], usage)
 
-    def response(self, finals: list[RequestOutput]) -> CompletionResponse:
-        """The ``text_completion`` object."""
-        echo, n, k = self.echo_texts(), self.req.n, self.req.logprobs
-        choices = []
-        for i, out in enumerate(finals):
-            for o in out.outputs:
-                lp = None
-                if k is not None and o.logprobs is not None:
-                    decoder = SampleDecoder(self.state.tokenizer, out.prompt_token_ids,
-                                            len(echo[i]))
-                    lp = completion_logprobs(decoder, o.token_ids, o.logprobs, k)
-                choices.append(CompletionChoice(
-                    index=i * n + o.index, text=echo[i] + o.text, logprobs=lp,
-                    finish_reason=o.finish_reason))  # type: ignore[arg-type]
-        choices.sort(key=lambda c: c.index)
-        return CompletionResponse(id=self.request_id, model=self.state.model_name,
-                                  choices=choices, usage=usage_of(finals))
+    def response(self, finals: list[RequestOutput]) -> Response:
+        """The ``text_completion`` object (choices built and serialized one at a time)."""
+        head = CompletionResponse(id=self.request_id, model=self.state.model_name, choices=[],
+                                  usage=usage_of(finals))
+        return json_response(head, (self._choice(i, out, o) for i, out in enumerate(finals)
+                                    for o in out.outputs))
+
+    def _choice(self, prompt_index: int, out: RequestOutput,
+                o: CompletionOutput) -> CompletionChoice:
+        echo, k = self.echo_texts()[prompt_index], self.req.logprobs
+        lp = None
+        if k is not None and o.logprobs is not None:
+            decoder = SampleDecoder(self.state.tokenizer, out.prompt_token_ids, len(echo))
+            lp = completion_logprobs(decoder, o.token_ids, o.logprobs, k)
+        return CompletionChoice(index=prompt_index * self.req.n + o.index, text=echo + o.text,
+                                logprobs=lp, finish_reason=o.finish_reason)  # type: ignore[arg-type]

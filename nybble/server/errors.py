@@ -100,9 +100,10 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         if err.get("type") == "json_invalid":
             return f"malformed JSON body: {err.get('msg', '')}", None
         where = ".".join(loc) or "body"
-        param = param or (loc[0] if loc else None)
-        if err.get("type") == "value_error" and "error" in err.get("ctx", {}):
-            parts.append(str(err["ctx"]["error"]))  # NOTE: our validators name the field
+        cause = err.get("ctx", {}).get("error") if err.get("type") == "value_error" else None
+        param = param or (loc[0] if loc else getattr(cause, "param", None))
+        if cause is not None:
+            parts.append(str(cause))  # NOTE: our validators name the field
         else:
             parts.append(f"{where}: {err.get('msg', 'invalid value')}")
     return "invalid request: " + "; ".join(parts), param

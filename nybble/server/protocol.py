@@ -10,110 +10,32 @@ fields are ignored, as OpenAI clients send fields nybble does not use (``user``,
 a non-neutral value with a 400 naming the field instead of silently ignoring it: this is the
 one place such refusals live.
 
-Three rules hold for every request model, so the OpenAPI schema says exactly what is accepted
-(schema-conformance fuzzing relies on it):
-
-- types are strict (OpenAI's): ``"n": 1.0``, ``"n": "1"`` or ``"stream": 1`` are 400s, not
-  coerced; a float field takes an integer;
-- an optional field sent as JSON ``null`` is the same as the field left out (its default),
-  and the schema marks every optional field nullable;
-- every string is valid Unicode: a lone UTF-16 surrogate (``"\\ud800"`` in the JSON) is a 400
-  naming the field, before anything tokenizes or echoes it.
+Every model here derives from :class:`RequestModel` (``request_base.py``): strict types,
+``null`` = omitted, nullable optional fields in the schema, valid Unicode only.
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
-    BaseModel,
-    ConfigDict,
+    Discriminator,
     Field,
+    Tag,
     ValidationInfo,
     field_validator,
     model_validator,
 )
 
-from nybble.errors import InvalidRequestError
+from nybble.server.request_base import RequestBody, RequestModel
 
 
-def _nullable_optionals(schema: dict[str, Any]) -> None:
-    """JSON-schema hook: every property that is not required also accepts ``null``."""
-    required = set(schema.get("required", ()))
-    for name, prop in schema.get("properties", {}).items():
-        if name in required or _allows_null(prop):
-            continue
-        keep = {k: prop.pop(k) for k in ("title", "default", "description") if k in prop}
-        schema["properties"][name] = {"anyOf": [prop, {"type": "null"}], **keep}
-
-
-def _allows_null(prop: dict[str, Any]) -> bool:
-    return prop.get("type") == "null" or any(_allows_null(p) for p in prop.get("anyOf", ()))
-
-
-def _first_surrogate(value: Any) -> str | None:
-    """A description of the first lone surrogate in ``value`` (strings inside lists and
-    dicts, keys included), or ``None``."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as e:
-            return f"U+{ord(value[e.start]):04X} at character {e.start}"
-        return None
-    if isinstance(value, dict):
-        items: list[Any] = [*value.keys(), *value.values()]
-    elif isinstance(value, list):
-        items = value
-    else:
-        return None
-    for item in items:
-        found = _first_surrogate(item)
-        if found is not None:
-            return found
-    return None
-
-
-class _Request(BaseModel):
-    """Strict types; ``null`` = omitted; every optional field nullable in the schema."""
-
-    model_config = ConfigDict(extra="ignore", strict=True,
-                              json_schema_extra=_nullable_optionals)  # type: ignore[typeddict-item]
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_omitted(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            return {k: v for k, v in data.items() if v is not None}
-        return data
-
-
-class _Body(_Request):
-    """A whole request body: its strings are checked for lone surrogates first.
-
-    NOTE: the :class:`InvalidRequestError` (a ``ValueError``) carries the top-level field as
-    its ``param``, which the 400 handler reports.
-    """
-
-    @model_validator(mode="before")
-    @classmethod
-    def _valid_unicode(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            for key, value in data.items():
-                found = _first_surrogate(key) or _first_surrogate(value)
-                if found is not None:
-                    name = key if _first_surrogate(key) is None else "body"
-                    raise InvalidRequestError(
-                        f"{name} must be valid Unicode text, got a lone surrogate {found}",
-                        param=name)
-        return data
-
-
-class StreamOptions(BaseModel):
+class StreamOptions(RequestModel):
     """``stream_options``: ``include_usage`` adds a final chunk with usage, empty choices."""
 
     include_usage: bool = False
 
 
-class _SamplingFields(_Body):
+class _SamplingFields(RequestBody):
     """Fields shared by completions and chat completions (OpenAI + vLLM extensions)."""
 
     model: str | None = None
@@ -184,6 +106,23 @@ class _SamplingFields(_Body):
         return value
 
 
+def _prompt_kind(value: Any) -> str:
+    """Which form a ``prompt`` takes, from its first element (so that validating a long
+    token-id list tries one form only, not each of the union's in turn)."""
+    if isinstance(value, str):
+        return "text"
+    first = value[0] if isinstance(value, list) and value else None
+    return "texts" if isinstance(first, str) else "id_lists" if isinstance(first, list) \
+        else "ids"
+
+
+Prompt = Annotated[
+    Annotated[str, Tag("text")] | Annotated[list[str], Tag("texts")]
+    | Annotated[list[int], Tag("ids")] | Annotated[list[list[int]], Tag("id_lists")],
+    Discriminator(_prompt_kind)]
+"""A completions prompt: a string, strings, token ids, or lists of token ids."""
+
+
 class CompletionRequest(_SamplingFields):
     """``POST /v1/completions`` body.
 
@@ -192,7 +131,7 @@ class CompletionRequest(_SamplingFields):
     ``logprobs``: top-N log-probabilities per generated token.
     """
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Prompt
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False    # NOTE: after logprobs, so that its validator sees logprobs
@@ -213,29 +152,33 @@ class CompletionRequest(_SamplingFields):
         return value
 
 
-class ContentPart(_Request):
+class ContentPart(RequestModel):
     """One part of a message's content; only ``text`` parts are supported (the served models
-    read text only), any other ``type`` is a 400 naming it."""
+    read text only): :class:`ChatMessage` refuses any other ``type`` with a 400 naming it."""
 
     type: str = Field("text", json_schema_extra={"enum": ["text"]})
     text: str = ""
 
-    @model_validator(mode="before")
-    @classmethod
-    def _text_only(cls, data: Any) -> Any:
-        kind = data.get("type", "text") if isinstance(data, dict) else "text"
-        if kind != "text":
-            raise ValueError(f"content part type must be 'text' (nybble serves text-only "
-                             f"models), got {kind!r}")
-        return data
 
-
-class ChatMessage(_Request):
+class ChatMessage(RequestModel):
     """One chat message (``role`` and string or text-part ``content``)."""
 
     role: Literal["system", "user", "assistant", "tool", "developer", "function"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_parts_only(cls, data: Any) -> Any:
+        # NOTE: here rather than on ContentPart, so the 400 says only this (not also why
+        # the list is not a string)
+        parts = data.get("content") if isinstance(data, dict) else None
+        for part in parts if isinstance(parts, list) else ():
+            kind = part.get("type", "text") if isinstance(part, dict) else "text"
+            if kind != "text":
+                raise ValueError(f"content part type must be 'text' (nybble serves text-only "
+                                 f"models), got {kind!r}")
+        return data
 
     def text(self) -> str:
         """The content as one string (text parts concatenated)."""
@@ -270,7 +213,7 @@ class ChatCompletionRequest(_SamplingFields):
         return value
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(RequestBody):
     """``POST /tokenize`` (vLLM): either ``prompt`` or chat ``messages``."""
 
     model: str | None = None
@@ -280,7 +223,7 @@ class TokenizeRequest(_Body):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(RequestBody):
     """``POST /detokenize`` (vLLM)."""
 
     model: str | None = None

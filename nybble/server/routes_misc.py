@@ -18,7 +18,7 @@ from nybble.server.responses import (
     TokenizeResponse,
     VersionResponse,
 )
-from nybble.server.serving import render_chat
+from nybble.server.serving import json_response, render_chat
 from nybble.server.state import ServerState, Startup, get_state, run_blocking, wait_ready
 from nybble.version import __version__
 
@@ -53,17 +53,20 @@ async def version() -> VersionResponse:
     return VersionResponse(version=__version__)
 
 
-def _tokenize(state: ServerState, req: TokenizeRequest) -> list[int]:
+def _tokenize(state: ServerState, req: TokenizeRequest) -> Response:
     if req.messages is not None:
         ids = render_chat(state, req.messages, req.add_generation_prompt)
         state.input_processor.check_token_ids(ids, "messages")
-        return ids
-    assert req.prompt is not None
-    return state.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+    else:
+        assert req.prompt is not None
+        ids = state.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+    return json_response(TokenizeResponse(count=len(ids), max_model_len=state.max_model_len,
+                                          tokens=ids))
 
 
-@router.post("/tokenize", dependencies=_GUARDED, responses=_BODY_ERRORS)
-async def tokenize(req: TokenizeRequest, request: Request) -> TokenizeResponse:
+@router.post("/tokenize", dependencies=_GUARDED, response_model=None,
+             responses={200: {"model": TokenizeResponse}, **_BODY_ERRORS})
+async def tokenize(req: TokenizeRequest, request: Request) -> Response:
     """Token ids of ``prompt`` (or of chat ``messages`` rendered with the chat template).
 
     Raises:
@@ -74,8 +77,7 @@ async def tokenize(req: TokenizeRequest, request: Request) -> TokenizeResponse:
     state.check_model(req.model)
     if (req.prompt is None) == (req.messages is None):
         raise InvalidRequestError("give exactly one of prompt and messages", param="prompt")
-    ids = await run_blocking(state, _tokenize, state, req)
-    return TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids)
+    return await run_blocking(state, _tokenize, state, req)
 
 
 @router.post("/detokenize", dependencies=_GUARDED, responses=_BODY_ERRORS)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from typing import Protocol
 
 from fastapi import Request
@@ -131,8 +131,9 @@ class Renderer(Protocol):
     def usage_chunk(self, usage: UsageInfo) -> str:
         """The final SSE event with usage and no choices (``stream_options.include_usage``)."""
 
-    def response(self, finals: list[RequestOutput]) -> BaseModel:
-        """The non-streaming response from the whole result of every prompt."""
+    def response(self, finals: list[RequestOutput]) -> Response:
+        """The non-streaming response from the whole result of every prompt (blocking: runs
+        on a worker thread; :func:`json_response`)."""
 
 
 def _gate(state: ServerState, renderer: Renderer, params: SamplingParams, names: ParamNames,
@@ -180,6 +181,37 @@ async def serve(request: Request, state: ServerState, renderer: Renderer,
     if finals is None:
         return Response(status_code=CLIENT_CLOSED)
     return await run_blocking(state, renderer.response, finals)
+
+
+def json_response(model: BaseModel, choices: Iterable[BaseModel] = ()) -> Response:
+    """``model`` as a JSON response, serialized here (call it on a worker thread) instead of
+    by FastAPI on the event loop; ``choices`` (if any) go into its empty ``choices`` list.
+
+    NOTE: a large answer (``n`` choices with logprobs) is millions of small objects if built
+    whole, and the cyclic garbage collector then walks them all, holding the GIL (and so the
+    event loop) for up to seconds. Each choice is therefore serialized as soon as
+    ``choices`` yields it and dropped; only strings stay alive (the collector ignores them).
+    The quoted key cannot occur inside a JSON string (its quotes would be escaped).
+    """
+    body = model.model_dump_json()
+    parts = [c.model_dump_json() for c in choices]
+    if parts:
+        body = body.replace('"choices":[]', f'"choices":[{",".join(parts)}]', 1)
+    data = body.encode()
+    if len(data) <= SEND_CHUNK_BYTES:
+        return Response(data, media_type="application/json")
+    return StreamingResponse(_pieces(memoryview(data)), media_type="application/json",
+                             headers={"Content-Length": str(len(data))})
+
+
+SEND_CHUNK_BYTES = 1 << 20
+"""A larger JSON answer is sent in pieces of this size (one huge socket write holds the event
+loop while the kernel copies it)."""
+
+
+async def _pieces(data: memoryview) -> AsyncIterator[memoryview]:
+    for start in range(0, len(data), SEND_CHUNK_BYTES):
+        yield data[start:start + SEND_CHUNK_BYTES]
 
 
 class EngineStreamingResponse(StreamingResponse):
