@@ -122,6 +122,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def on_http(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
+        if isinstance(exc.__cause__, NybbleError):  # NOTE: FastAPI wraps body-read errors
+            return response_for(exc.__cause__)
         return error_response(exc.status_code, str(exc.detail))
 
     app.add_exception_handler(NybbleError, on_nybble)

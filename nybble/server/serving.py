@@ -217,8 +217,9 @@ async def _pieces(data: memoryview) -> AsyncIterator[memoryview]:
 class EngineStreamingResponse(StreamingResponse):
     """An SSE response that aborts its unfinished engine requests however it ends.
 
-    NOTE: the body generator's own ``finally`` never runs when the client is gone before the
-    generator first ran (Starlette cancels it unstarted); this ``finally`` always does.
+    NOTE: not left to the body generator's own ``finally``, which runs only if the generator
+    had started when the answer was cancelled (the client gone); this ``finally`` always
+    runs.
     """
 
     def __init__(self, state: ServerState, streams: list[RequestStream],
