@@ -79,6 +79,14 @@ def launched_server(model: str, serve_args: tuple[str, ...],
         RuntimeError: the server exited or did not answer ``/v1/models`` within ``timeout_s``;
             the message carries the tail of its log.
     """
+    with launched_server_process(model, serve_args, timeout_s) as (url, _):
+        yield url
+
+
+@contextlib.contextmanager
+def launched_server_process(model: str, serve_args: tuple[str, ...],
+                            timeout_s: float) -> Iterator[tuple[str, int]]:
+    """:func:`launched_server`, yielding ``(base URL, process id of the API process)``."""
     port = free_port()
     cmd = [sys.executable, "-m", "nybble", "serve", "--model", model, "--host", "127.0.0.1",
            "--port", str(port), *serve_args]
@@ -89,7 +97,7 @@ def launched_server(model: str, serve_args: tuple[str, ...],
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
             try:
                 _wait_ready(proc, url, log_path, timeout_s)
-                yield url
+                yield url, proc.pid
             finally:
                 proc.terminate()
                 try:

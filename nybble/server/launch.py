@@ -34,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from nybble.config import EngineConfig, has_tokenizer_file
+from nybble.oslimits import raise_open_file_limit
 from nybble.runtime.core_client import CoreClient
 from nybble.server.config import ServerConfig
 
@@ -184,23 +185,6 @@ def _server_class() -> type:
                 self.nybble_startup.failed("the server is shutting down")
 
     return Server
-
-
-def raise_open_file_limit(wanted: int) -> None:
-    """Raise this process's soft open-file limit toward ``wanted`` (at most the hard limit),
-    so ``--limit-concurrency`` connections can be open at once (a common soft limit is 1024).
-    """
-    try:
-        import resource
-    except ImportError:  # NOTE: not POSIX
-        return
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
-    if soft != resource.RLIM_INFINITY and soft < target:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-        except (ValueError, OSError) as e:
-            logger.warning("cannot raise the open-file limit from %d to %d: %s", soft, target, e)
 
 
 def _bind(host: str, port: int) -> socket.socket:

@@ -36,7 +36,8 @@ async def list_models(request: Request) -> ModelList:
                                      max_model_len=state.max_model_len)])
 
 
-@router.get("/health", responses={200: {"description": "The engine can serve."},
+@router.get("/health", response_class=Response,
+            responses={200: {"description": "The engine can serve."},
                                   503: {"description": "Starting, shutting down, or the "
                                                        "engine is gone (restart it)."}})
 async def health(request: Request) -> Response:
