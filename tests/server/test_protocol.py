@@ -136,3 +136,12 @@ def test_schema_marks_every_optional_field_nullable(model: type[BaseModel]) -> N
 def test_schema_lists_text_as_the_only_content_part() -> None:
     defs = ChatCompletionRequest.model_json_schema()["$defs"]
     assert defs["ContentPart"]["properties"]["type"]["anyOf"][0]["enum"] == ["text"]
+
+
+def test_stop_strings_are_capped() -> None:
+    from nybble.server.protocol import MAX_STOP_STRINGS
+
+    ok = [f"s{i}" for i in range(MAX_STOP_STRINGS)]
+    assert CompletionRequest.model_validate({"prompt": "Hi", "stop": ok}).stop == ok
+    with pytest.raises(ValidationError, match=f"at most {MAX_STOP_STRINGS} strings, got 65"):
+        CompletionRequest.model_validate({"prompt": "Hi", "stop": [*ok, "one more"]})
