@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from nybble.kernels import cpu_weight_only
 from nybble.kernels.reference_quant import dequantize_gptq
 from nybble.quant.linear import GPTQLinear
 from nybble.quantize import awq
@@ -122,7 +123,13 @@ def test_quant_linear_matches_float64_reference() -> None:
     t = pack_gptq(res, 8, v2=True)
     mod = GPTQLinear(64, 48, False, torch.float32, torch.device("cpu"), 8, 32, 0, False)
     mod.load_tensors(t)
-    x = torch.randn(3, 5, 64, generator=g)
+    x = torch.randn(3, 7, 64, generator=g)  # 21 rows > MAX_ROWS: the reference path
     ref = x.double() @ (res.dequant.half().double()).t()
     torch.testing.assert_close(mod(x).double(), ref, atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(mod(x.double()), ref, atol=1e-12, rtol=0)
+    # decode-sized calls take the CPU int8 kernel, within its documented bound
+    assert mod.cpu_weight is not None
+    x1 = x[0, :2]
+    err = (mod(x1).double() - ref[0, :2]).abs()
+    bound = cpu_weight_only.error_bound(x1, mod.int_weight(), mod.scales, ref[0, :2])
+    assert bool((err <= bound).all()) and float(err.max()) > 0
