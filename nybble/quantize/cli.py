@@ -67,10 +67,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                     "byte-identical files; quantizing runs on one thread unless --threads "
                     "is given.")
     q.add_argument("model", help="source model folder (Hugging Face Llama)")
-    q.add_argument("--method", choices=["rtn", "gptq", "awq", "awq-gptq"], required=True,
+    q.add_argument("--method", choices=["rtn", "gptq", "awq", "gptq-e2e"], required=True,
                    help="rtn: round to nearest; gptq: Frantar et al. 2023; awq: Lin et al. "
-                        "2024; awq-gptq: AWQ's scales, then GPTQ rounding (the best quality, "
-                        "written as GPTQ)")
+                        "2024; gptq-e2e: GPTQ, then the group scales tuned end to end against "
+                        "the fp model (EfficientQAT's E2E-QP, Chen et al. 2024): the best "
+                        "quality, written as GPTQ")
     q.add_argument("--bits", type=int, choices=[4, 8], default=4, help="weight bits")
     q.add_argument("--group-size", type=int, default=128,
                    help="input channels sharing one scale/zero point (-1: per output channel)")

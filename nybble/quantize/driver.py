@@ -1,10 +1,10 @@
-"""``nybble quantize``: RTN / GPTQ / AWQ / AWQ+GPTQ of a Llama folder into a servable folder.
+"""``nybble quantize``: RTN / GPTQ / AWQ / GPTQ-E2E of a Llama folder into a servable folder.
 
 Driver of docs/quant-formats.md §7.3 / §7.4: capture the first decoder layer's inputs on the
 calibration text, then quantize layer by layer (:mod:`nybble.quantize.layer_quant`). Linears
 whose input width is not a multiple of the group size or of the packing factor (or whose
 output width is not a multiple of the packing factor) stay dense and are listed in
-``modules_to_not_convert``. Output layout: RTN/GPTQ/AWQ+GPTQ -> GPTQ (v1 when symmetric,
+``modules_to_not_convert``. Output layout: RTN/GPTQ/GPTQ-E2E -> GPTQ (v1 when symmetric,
 ``gptq_v2`` when asymmetric); AWQ 4-bit -> AutoAWQ GEMM; AWQ 8-bit (no AWQ layout exists) ->
 ``gptq_v2`` asymmetric with AWQ's grid. Beside the weights: ``quantization_report.json`` and a
 ``README.md`` table (:mod:`nybble.quantize.report`).
@@ -37,11 +37,13 @@ from nybble.quantize.export import (
     pack_gptq,
     write_model_folder,
 )
+from nybble.quantize.e2e import TuneOptions, tune_scales
 from nybble.quantize.gptq import GPTQResult
-from nybble.quantize.layer_quant import LAYER_METHODS, LINEARS, LayerOptions
+from nybble.quantize.layer_quant import LAYER_METHODS, LINEARS, LayerOptions, LinearOutcome
 from nybble.quantize.report import (
     build_report,
     checkpoint_tensor_bytes,
+    relative_output_error,
     safetensors_bytes,
     text_sha256,
     write_report,
@@ -57,14 +59,15 @@ class QuantizeOptions:
     """Settings of one quantization run (CLI flags of ``nybble quantize``).
 
     Attributes:
-        method: ``rtn`` | ``gptq`` | ``awq`` | ``awq-gptq``. bits: 4 | 8.
+        method: ``rtn`` | ``gptq`` | ``awq`` | ``gptq-e2e``. bits: 4 | 8.
         group_size: -1 (per output channel) or > 0 input channels per scale.
-        sym: symmetric grid (RTN/GPTQ/AWQ+GPTQ; AWQ is always asymmetric).
+        sym: symmetric grid (RTN/GPTQ/GPTQ-E2E; AWQ is always asymmetric).
         desc_act / static_groups / damp_percent: GPTQ act order, static groups, dampening
             (fraction of the mean Hessian diagonal).
         calib_text: calibration text (None: the built-in text); calib_source names it in the
             report. num_samples, seq_len: at most this many sequences of this many tokens.
         duo_scaling / clip: AWQ scale formula and clipping search.
+        tune: GPTQ-E2E scale tuning (steps, batch, learning rate).
         threads: torch intra-op threads during the run (results depend on it, see module).
         eval_text: held-out text whose perplexity (before and after) goes into the report;
             eval_source names it.
@@ -83,6 +86,7 @@ class QuantizeOptions:
     seq_len: int = 512
     duo_scaling: bool = True
     clip: bool = True
+    tune: TuneOptions = field(default_factory=TuneOptions)
     threads: int = 1
     eval_text: str | None = None
     eval_source: str | None = None
@@ -137,8 +141,11 @@ def _packable(layers: nn.ModuleList, opts: QuantizeOptions
 
 @torch.no_grad()
 def _run(model: nn.Module, model_dir: str, opts: QuantizeOptions, progress: bool
-         ) -> tuple[dict[str, GPTQResult], dict[str, float], dict[str, str], dict[str, Any]]:
+         ) -> tuple[dict[str, GPTQResult], dict[str, float], dict[str, str], dict[str, Any],
+                    dict[str, Any] | None]:
     from transformers import AutoTokenizer
+
+    from nybble.quantize.hf_model import load_model
 
     layers = model.model.layers
     names_per_layer, skipped = _packable(layers, opts)
@@ -154,14 +161,24 @@ def _run(model: nn.Module, model_dir: str, opts: QuantizeOptions, progress: bool
                    "seq_len": ids.shape[1], "tokens": ids.numel()}
     hidden, kw = capture_first_layer_inputs(model, ids)
     fn, lo = LAYER_METHODS[opts.method], opts.layer_options()
-    results: dict[str, GPTQResult] = {}
-    errors: dict[str, float] = {}
+    outcomes: dict[str, LinearOutcome] = {}
     it = tqdm(list(enumerate(layers)), desc=f"{opts.method} layers", disable=not progress)
     for i, layer in it:
         out, hidden = fn(layer, hidden, kw, names_per_layer[i], lo)
         for n in names_per_layer[i]:  # NOTE: LINEARS order, not dict order
-            results[f"model.layers.{i}.{n}"], errors[f"model.layers.{i}.{n}"] = out[n]
-    return results, errors, skipped, calibration
+            outcomes[f"model.layers.{i}.{n}"] = out[n]
+    del hidden
+    results = {k: o.result for k, o in outcomes.items()}
+    tuning = None
+    if opts.method == "gptq-e2e":
+        results, losses = tune_scales(load_model(model_dir, torch.float32), model, results, ids,
+                                      opts.tune)
+        tuning = {"steps": opts.tune.steps, "batch": opts.tune.batch, "lr": opts.tune.lr,
+                  "kl_first": losses[0] if losses else None,
+                  "kl_last": losses[-1] if losses else None}
+    errors = {k: relative_output_error(o.weight, results[k].dequant, o.gram)
+              for k, o in outcomes.items()}
+    return results, errors, skipped, calibration, tuning
 
 
 def _perplexity(model_dir: str, text: str) -> dict[str, float]:
@@ -191,7 +208,7 @@ def quantize_model(model_dir: str, out_dir: str, opts: QuantizeOptions,
     torch.set_num_threads(opts.threads)
     try:
         model = load_model(model_dir, torch.float32)
-        results, errors, skipped, calibration = _run(model, model_dir, opts, progress)
+        results, errors, skipped, calibration, tuning = _run(model, model_dir, opts, progress)
         awq_layout = opts.method == "awq" and opts.bits == 4
         v2 = not opts.sym
         qtensors = {p: (pack_awq(r) if awq_layout else pack_gptq(r, opts.bits, v2))
@@ -216,7 +233,7 @@ def quantize_model(model_dir: str, out_dir: str, opts: QuantizeOptions,
     lin_after = sum(t.numel() * t.element_size() for d in qtensors.values() for t in d.values())
     settings = {"method": opts.method, "bits": opts.bits, "group_size": opts.group_size,
                 "sym": opts.sym, "desc_act": opts.desc_act, "static_groups": opts.static_groups,
-                "threads": opts.threads, "quantization_config": cfg}
+                "threads": opts.threads, "quantization_config": cfg, "tuning": tuning}
     report = build_report(settings, calibration, errors, skipped,
                           {"linear_before": lin_before, "linear_after": lin_after,
                            "checkpoint_before": safetensors_bytes(model_dir),

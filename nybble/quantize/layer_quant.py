@@ -2,20 +2,17 @@
 
 Every function takes the layer, its recorded input ``hidden [S, L, H]`` and forward keyword
 arguments, the names of the Linears to quantize, and the options; it replaces each Linear's
-weight by its dequantized result and returns, per Linear, the :class:`GPTQResult` to pack and
-its relative output error on the calibration inputs it saw
-(:func:`nybble.quantize.report.relative_output_error`), plus the next layer's input: the
-quantized layer's output for GPTQ-style methods, the original output for AWQ and RTN (AWQ
-does not feed quantized activations forward, §7.4).
+weight by its dequantized result and returns, per Linear, the :class:`GPTQResult` to pack, the
+weight it approximates and ``H = X^T X`` of the calibration inputs it saw (for the report's
+output error), plus the next layer's input: the quantized layer's output for GPTQ, the
+original output for AWQ and RTN (AWQ does not feed quantized activations forward, §7.4).
 
 Methods:
 * ``rtn``: round to nearest, no calibration (the inputs only feed the error report).
 * ``gptq``: Frantar et al. 2023 (arXiv 2210.17323), AutoGPTQ's true-sequential sub-groups.
 * ``awq``: Lin et al. 2024 (arXiv 2306.00978), AutoAWQ's scale search, clipping and grid.
-* ``awq-gptq``: AWQ's activation-aware scales folded into the layer (no clipping), then GPTQ
-  rounding of the scaled weights. The AWQ paper (§5.3, "AWQ is orthogonal to GPTQ") reports
-  the combination below either alone; the scales come from the AWQ search, the integers,
-  grid and act order from GPTQ, and the result is an ordinary GPTQ checkpoint.
+* ``gptq-e2e``: GPTQ layer by layer, then the group scales tuned end to end
+  (:mod:`nybble.quantize.e2e`, run by the driver).
 """
 from __future__ import annotations
 
@@ -29,7 +26,6 @@ from torch import nn
 from nybble.quantize import awq as awq_mod
 from nybble.quantize.calibration import attention_forward, record_inputs, run_layer
 from nybble.quantize.gptq import GPTQResult, HessianAccumulator, gptq_quantize
-from nybble.quantize.report import relative_output_error
 from nybble.quantize.rtn import rtn_quantize
 
 LINEARS = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -53,8 +49,19 @@ class LayerOptions:
     clip: bool
 
 
-Outcome = tuple[dict[str, tuple[GPTQResult, float]], torch.Tensor]
-"""({Linear name relative to the layer: (result, relative output error)}, next hidden)."""
+@dataclass(frozen=True)
+class LinearOutcome:
+    """One quantized Linear: ``result``; ``weight [N, K]`` float32, what it approximates (after
+    AWQ scaling, before clipping); ``gram [K, K]``, ``X^T X`` (any positive multiple) of its
+    calibration inputs in the same (scaled) coordinates."""
+
+    result: GPTQResult
+    weight: torch.Tensor
+    gram: torch.Tensor
+
+
+Outcome = tuple[dict[str, LinearOutcome], torch.Tensor]
+"""({Linear name relative to the layer: outcome}, next layer's input)."""
 
 
 def _gram(x: torch.Tensor) -> torch.Tensor:
@@ -76,7 +83,7 @@ def rtn_layer(layer: nn.Module, hidden: torch.Tensor, kw: dict[str, Any], names:
     for n in names:
         lin = layer.get_submodule(n)
         res = rtn_quantize(lin.weight.data, o.bits, o.group_size, o.sym)
-        out[n] = (res, relative_output_error(lin.weight.data, res.dequant, _gram(feats[n])))
+        out[n] = LinearOutcome(res, lin.weight.data.clone(), _gram(feats[n]))
         _install(lin, res)
     return out, nxt
 
@@ -97,7 +104,7 @@ def gptq_layer(layer: nn.Module, hidden: torch.Tensor, kw: dict[str, Any], names
             lin = layer.get_submodule(g)
             res = gptq_quantize(lin.weight.data, accs[g].h, o.bits, o.group_size, o.sym,
                                 o.desc_act, o.static_groups, o.damp_percent)
-            out[g] = (res, relative_output_error(lin.weight.data, res.dequant, accs[g].h))
+            out[g] = LinearOutcome(res, lin.weight.data.clone(), accs[g].h)
             _install(lin, res)
     return out, run_layer(layer, hidden, kw)
 
@@ -149,21 +156,10 @@ def awq_layer(layer: nn.Module, hidden: torch.Tensor, kw: dict[str, Any], names:
             mv = awq_mod.search_best_clip(lin.weight.data, feats[n], o.bits, o.group_size)
             awq_mod.apply_clip(lin, mv, o.group_size)
         res = rtn_quantize(lin.weight.data, o.bits, o.group_size, sym=False, kind="awq")
-        h = grams.setdefault(id(feats[n]), _gram(feats[n]))
-        out[n] = (res, relative_output_error(w, res.dequant, h))
+        out[n] = LinearOutcome(res, w, grams.setdefault(id(feats[n]), _gram(feats[n])))
         _install(lin, res)
     return out, nxt
 
 
-@torch.no_grad()
-def awq_gptq_layer(layer: nn.Module, hidden: torch.Tensor, kw: dict[str, Any],
-                   names: list[str], o: LayerOptions) -> Outcome:
-    """AWQ scales folded in, then GPTQ on the scaled layer (module docstring)."""
-    feats, _ = record_inputs(layer, names, hidden, kw)
-    _awq_scale(layer, feats, kw, names, o)
-    del feats
-    return gptq_layer(layer, hidden, kw, names, o)
-
-
 LAYER_METHODS: dict[str, Callable[..., Outcome]] = {
-    "rtn": rtn_layer, "gptq": gptq_layer, "awq": awq_layer, "awq-gptq": awq_gptq_layer}
+    "rtn": rtn_layer, "gptq": gptq_layer, "awq": awq_layer, "gptq-e2e": gptq_layer}

@@ -13,7 +13,7 @@ from nybble.quantize.driver import QuantizeOptions, quantize_model
 from nybble.quantize.hf_model import load_model
 
 CASES = [("rtn", 4, 32, True), ("gptq", 4, 32, False), ("gptq", 8, 64, True),
-         ("awq", 4, 32, False), ("awq-gptq", 4, 32, False)]
+         ("awq", 4, 32, False), ("gptq-e2e", 4, 32, False)]
 
 
 @pytest.fixture(scope="module")
