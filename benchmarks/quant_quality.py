@@ -4,8 +4,8 @@ For each model (default: shared/models/stories3m) and configuration (default: 4-
 rtn, gptq, gptq + act order, awq, awq-gptq; 8-bit g128 with rtn and gptq), quantize calibrated
 on all of ``stories-calib.txt`` (up to 128 sequences of 512 tokens) and measure, on the model
 the engine loads from the written folder (fp32 activations, CPU):
-* perplexity on **all** stories of ``stories-heldout.txt`` (each with BOS, every token after BOS
-  scored, windows of 512 advancing by 256: the protocol of ``nybble eval-ppl``);
+* perplexity on **all** stories of ``stories-heldout.txt`` with ``nybble eval-ppl``'s model and
+  protocol (each story with BOS, every token after BOS scored, windows of 512 advancing by 256);
 * the fraction of RTN's perplexity gap closed, ``(ppl_rtn - ppl) / (ppl_rtn - ppl_fp32)``,
   against asymmetric RTN at the same bits and group size;
 * greedy-token agreement with fp32 (32 prompts from the end of the held-out text, 32 fp32
@@ -29,16 +29,13 @@ import torch  # noqa: E402
 from _report import print_table, write_json  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
-from nybble.config import ModelConfig  # noqa: E402
-from nybble.kernels.reference_attention import TorchAttentionBackend  # noqa: E402
-from nybble.models.loader import LoadedModel, load_model  # noqa: E402
-from nybble.models.scoring import prefill_logits  # noqa: E402
 from nybble.quant.linear import weight_bytes  # noqa: E402
 from nybble.quantize.driver import QuantizeOptions, quantize_model  # noqa: E402
 from nybble.quantize.eval_ppl import (  # noqa: E402
     LogitsFn,
     greedy_agreement,
     greedy_continuations,
+    nybble_model,
     perplexity,
     split_paragraphs,
 )
@@ -56,14 +53,6 @@ def linear_bytes(model: torch.nn.Module) -> int:
                if ".layers." in f".{name}" and name.rsplit(".", 1)[-1].endswith("_proj"))
 
 
-def load(path: str) -> tuple[LoadedModel, LogitsFn]:
-    """nybble's model for ``path`` and its whole-sequence logits function."""
-    cpu = torch.device("cpu")
-    loaded = load_model(ModelConfig(model=path, dtype="float32", device="cpu"),
-                        TorchAttentionBackend(), cpu)
-    return loaded, lambda ids: prefill_logits(loaded, [ids])[0]
-
-
 def label(method: str, bits: int, gs: int, extra: dict) -> str:
     """Row name, e.g. ``gptq w4 g128 act-order``."""
     return f"{method} w{bits} g{gs}" + (" act-order" if extra.get("desc_act") else "")
@@ -72,7 +61,7 @@ def label(method: str, bits: int, gs: int, extra: dict) -> str:
 def run_model(path: str, heldout: str, calib: str, args: argparse.Namespace) -> list[dict]:
     tok = AutoTokenizer.from_pretrained(path)
     name = os.path.basename(os.path.normpath(path))
-    fp, fp_fn = load(path)
+    fp, fp_fn = nybble_model(path)
     stories = split_paragraphs(heldout)
     prompts = [tok(" ".join(s.split()[:6]))["input_ids"] for s in stories[-32:]]
     seqs = greedy_continuations(fp_fn, prompts, 32)
@@ -80,10 +69,10 @@ def run_model(path: str, heldout: str, calib: str, args: argparse.Namespace) -> 
     fp_lin = linear_bytes(fp.model)
     rows: list[dict] = []
 
-    def evaluate(cfg: str, model: tuple[LoadedModel, LogitsFn], extra: dict) -> dict:
+    def evaluate(cfg: str, model: tuple[object, LogitsFn], extra: dict) -> dict:
         t = time.time()
         ppl = perplexity(model[1], tok, heldout, max_paragraphs=args.max_stories)
-        lb = linear_bytes(model[0].model)
+        lb = linear_bytes(model[0].model)  # type: ignore[attr-defined]
         row = {"model": name, "config": cfg, "perplexity": ppl["perplexity"],
                "gap_closed": None, "greedy_agreement": greedy_agreement(model[1], seqs, lens),
                "linear_weight_bytes": lb, "linear_bytes_vs_fp16": lb / (fp_lin / 2),
@@ -107,7 +96,7 @@ def run_model(path: str, heldout: str, calib: str, args: argparse.Namespace) -> 
         qt = time.time() - t
         with open(os.path.join(out, "model.safetensors"), "rb") as f:
             sha = hashlib.sha256(f.read()).hexdigest()
-        row = evaluate(cfg, load(out), {"quantize_seconds": qt, "folder": out,
+        row = evaluate(cfg, nybble_model(out), {"quantize_seconds": qt, "folder": out,
                                         "safetensors_sha256": sha})
         if method == "rtn":
             rtn[(bits, gs)] = row["perplexity"]

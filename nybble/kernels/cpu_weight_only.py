@@ -153,14 +153,10 @@ def linear(x: torch.Tensor, w: CpuWeight, bias: torch.Tensor | None) -> torch.Te
                                                        w.scales_and_zeros).float()
     else:
         gs = w.group_size
-        if len(w.weights) == 1:
-            y = torch.ops.aten._weight_int8pack_mm(xb, w.weights[0], w.scales[0]).float()
-        else:
-            y = torch.ops.aten._weight_int8pack_mm(xb[:, :gs].contiguous(), w.weights[0],
-                                                   w.scales[0]).float()
-            for i in range(1, len(w.weights)):
-                y += torch.ops.aten._weight_int8pack_mm(
-                    xb[:, i * gs:(i + 1) * gs].contiguous(), w.weights[i], w.scales[i])
+        mm = torch.ops.aten._weight_int8pack_mm
+        y = mm(xb[:, :gs].contiguous(), w.weights[0], w.scales[0]).float()
+        for i in range(1, len(w.weights)):
+            y += mm(xb[:, i * gs:(i + 1) * gs].contiguous(), w.weights[i], w.scales[i])
         if w.offsets is not None:
             # the same bf16-rounded x as the products, so large offsets cancel exactly
             y -= xb.float().reshape(xb.shape[0], -1, gs).sum(dim=2) @ w.offsets

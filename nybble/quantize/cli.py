@@ -15,6 +15,7 @@ def _quantize(args: argparse.Namespace) -> int:
     setup_threads(args.threads)  # NOTE: before torch is imported (next lines)
     from nybble.quant.report import REPORT_FILE, summarize_report
     from nybble.quantize.driver import QuantizeOptions, quantize_model
+    from nybble.quantize.e2e import TuneOptions
 
     def read(path: str | None) -> str | None:
         if not path:
@@ -30,6 +31,9 @@ def _quantize(args: argparse.Namespace) -> int:
                            # NOTE: results depend on the thread count, so the quantizer pins
                            # one unless --threads says otherwise (not the machine's default)
                            clip=not args.no_clip, threads=args.threads or 1,
+                           tune=TuneOptions(**{k: v for k, v in (
+                               ("steps", args.tune_steps), ("batch", args.tune_batch),
+                               ("lr", args.tune_lr)) if v is not None}),
                            eval_text=read(args.eval_text), eval_source=args.eval_text)
     summary = quantize_model(args.model, args.out, opts)
     logger.info("quantized %d linears, left %d dense; wrote %s", len(summary["quantized"]),
@@ -76,7 +80,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     q.add_argument("--group-size", type=int, default=128,
                    help="input channels sharing one scale/zero point (-1: per output channel)")
     q.add_argument("--sym", action="store_true", help="symmetric grid (RTN/GPTQ)")
-    q.add_argument("--desc-act", action="store_true", help="GPTQ act-order")
+    q.add_argument("--desc-act", action=argparse.BooleanOptionalAction, default=None,
+                   help="GPTQ act order (default: on for gptq-e2e, off for gptq)")
     q.add_argument("--static-groups", action="store_true", help="GPTQ static groups")
     q.add_argument("--damp-percent", type=float, default=0.01,
                    help="GPTQ dampening, fraction of the mean Hessian diagonal")
@@ -86,6 +91,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     q.add_argument("--seq-len", type=int, default=512,
                    help="tokens per calibration sequence (at most the model's context)")
     q.add_argument("--no-clip", action="store_true", help="AWQ: skip the clipping search")
+    # NOTE: None = TuneOptions' default (not imported here: it would load torch for --help)
+    q.add_argument("--tune-steps", type=int, help="gptq-e2e: optimizer steps of the scale "
+                                                  "tuning (default: 120)")
+    q.add_argument("--tune-batch", type=int, help="gptq-e2e: calibration sequences per step "
+                                                  "(default: 4)")
+    q.add_argument("--tune-lr", type=float, help="gptq-e2e: Adam learning rate on the "
+                                                 "log-scales (default: 0.002)")
     q.add_argument("--eval-text", help="held-out text (blank-line separated paragraphs): "
                                        "perplexity before and after goes into the report")
     q.add_argument("--out", required=True, help="output model folder")

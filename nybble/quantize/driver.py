@@ -62,11 +62,12 @@ class QuantizeOptions:
         method: ``rtn`` | ``gptq`` | ``awq`` | ``gptq-e2e``. bits: 4 | 8.
         group_size: -1 (per output channel) or > 0 input channels per scale.
         sym: symmetric grid (RTN/GPTQ/GPTQ-E2E; AWQ is always asymmetric).
-        desc_act / static_groups / damp_percent: GPTQ act order, static groups, dampening
-            (fraction of the mean Hessian diagonal).
+        desc_act / static_groups / damp_percent: GPTQ act order (None: on for ``gptq-e2e``,
+            off otherwise), static groups, dampening (fraction of the mean Hessian diagonal).
         calib_text: calibration text (None: the built-in text); calib_source names it in the
             report. num_samples, seq_len: at most this many sequences of this many tokens.
-        duo_scaling / clip: AWQ scale formula and clipping search.
+        duo_scaling / clip: AWQ scale formula (True: AutoAWQ's, False: the paper's, "both":
+            search both) and clipping search.
         tune: GPTQ-E2E scale tuning (steps, batch, learning rate).
         threads: torch intra-op threads during the run (results depend on it, see module).
         eval_text: held-out text whose perplexity (before and after) goes into the report;
@@ -77,14 +78,14 @@ class QuantizeOptions:
     bits: int = 4
     group_size: int = 128
     sym: bool = False
-    desc_act: bool = False
+    desc_act: bool | None = None
     static_groups: bool = False
     damp_percent: float = 0.01
     calib_text: str | None = None
     calib_source: str | None = None
     num_samples: int = 128
     seq_len: int = 512
-    duo_scaling: bool = True
+    duo_scaling: bool | str = "both"
     clip: bool = True
     tune: TuneOptions = field(default_factory=TuneOptions)
     threads: int = 1
@@ -103,10 +104,12 @@ class QuantizeOptions:
             raise ValueError(f"threads must be >= 1, got {self.threads!r}")
         if self.method == "awq":
             self.sym = False
+        if self.desc_act is None:
+            self.desc_act = self.method == "gptq-e2e"
 
     def layer_options(self) -> LayerOptions:
         """The per-layer subset."""
-        return LayerOptions(self.bits, self.group_size, self.sym, self.desc_act,
+        return LayerOptions(self.bits, self.group_size, self.sym, bool(self.desc_act),
                             self.static_groups, self.damp_percent, self.duo_scaling, self.clip)
 
 
@@ -215,7 +218,7 @@ def quantize_model(model_dir: str, out_dir: str, opts: QuantizeOptions,
                     for p, r in results.items()}
         skipped_names = sorted(skipped)
         cfg = (awq_config(opts.group_size, skipped_names) if awq_layout else
-               gptq_config(opts.bits, opts.group_size, opts.sym, opts.desc_act,
+               gptq_config(opts.bits, opts.group_size, opts.sym, bool(opts.desc_act),
                            opts.static_groups, opts.damp_percent, v2, skipped_names,
                            opts.method))
         write_model_folder(model, model_dir, out_dir, qtensors, cfg)

@@ -10,7 +10,10 @@ original output for AWQ and RTN (AWQ does not feed quantized activations forward
 Methods:
 * ``rtn``: round to nearest, no calibration (the inputs only feed the error report).
 * ``gptq``: Frantar et al. 2023 (arXiv 2210.17323), AutoGPTQ's true-sequential sub-groups.
-* ``awq``: Lin et al. 2024 (arXiv 2306.00978), AutoAWQ's scale search, clipping and grid.
+* ``awq``: Lin et al. 2024 (arXiv 2306.00978) as AutoAWQ runs it (scaling groups, the scale
+  search on each block's output, clipping of all but q/k, its min-max grid), with two
+  searches widened (:mod:`nybble.quantize.awq`): both scale formulas, and clipping ranges
+  whose ends shrink independently.
 * ``gptq-e2e``: GPTQ layer by layer, then the group scales tuned end to end
   (:mod:`nybble.quantize.e2e`, run by the driver).
 """
@@ -45,7 +48,7 @@ class LayerOptions:
     desc_act: bool
     static_groups: bool
     damp_percent: float
-    duo_scaling: bool
+    duo_scaling: bool | str
     clip: bool
 
 
@@ -132,9 +135,9 @@ def _awq_scale(layer: nn.Module, feats: dict[str, torch.Tensor], kw: dict[str, A
     found = []
     for prev, lins, inp, fwd in _scaling_groups(layer, kw):
         if all(n in names for n in lins) and (prev not in LINEARS or prev in names):
-            s, _, _ = awq_mod.search_best_scale(feats[inp], [sub(n) for n in lins], fwd,
-                                                o.bits, o.group_size, o.duo_scaling)
-            found.append((prev, lins, s))
+            choice = awq_mod.search_best_scale(feats[inp], [sub(n) for n in lins], fwd,
+                                               o.bits, o.group_size, o.duo_scaling)
+            found.append((prev, lins, choice.s))
     for prev, lins, s in found:
         awq_mod.apply_scale(sub(prev), [sub(n) for n in lins], s)
         for n in lins:

@@ -83,9 +83,15 @@ def test_awq_beats_rtn_with_salient_channels() -> None:
     x[:, [3, 40, 77, 100]] *= 30.0
     w0 = lin.weight.detach().clone()
     y_ref = x @ w0.t()
-    s, alpha, losses = awq.search_best_scale(x, [lin], lin, 4, 32, duo_scaling=True)
+    c = awq.search_best_scale(x, [lin], lin, 4, 32, duo_scaling=True)
+    s, alpha, losses = c.s, c.alpha, c.losses
     assert torch.equal(lin.weight, w0)  # restored from a real copy
+    assert len(losses) == 20 and c.duo
     assert min(losses) == losses[round(alpha * 20)] and losses[round(alpha * 20)] <= losses[0]
+    both = awq.search_best_scale(x, [lin], lin, 4, 32, duo_scaling="both")
+    assert both.losses[:20] == losses and len(both.losses) == 40
+    assert min(both.losses) == both.losses[round(both.alpha * 20) + (0 if both.duo else 20)]
+    assert min(both.losses) <= min(losses)
     norm = nn.Module()
     norm.weight = nn.Parameter(torch.ones(128))
     awq.apply_scale(norm, [lin], s)
@@ -102,10 +108,11 @@ def test_awq_clip_never_worse_than_no_clip() -> None:
     w = torch.randn(64, 64, generator=g)
     w[0, 0] = 12.0
     x = torch.randn(300, 64, generator=g)
-    mv = awq.search_best_clip(w, x, 4, 32)
+    bounds = awq.search_best_clip(w, x, 4, 32)
+    assert bounds.shape == (64, 2, 2)
     lin = nn.Linear(64, 64, bias=False)
     lin.weight.data = w.clone()
-    awq.apply_clip(lin, mv, 32)
+    awq.apply_clip(lin, bounds, 32)
 
     def group_err(wc: torch.Tensor) -> torch.Tensor:
         q = rtn_quantize(wc, 4, 32, False, kind="awq").dequant
@@ -113,7 +120,13 @@ def test_awq_clip_never_worse_than_no_clip() -> None:
         return d.pow(2).mean(0)
 
     assert bool((group_err(lin.weight.data) <= group_err(w) + 1e-6).all())
-    assert mv[0, 0] < 12.0  # the outlier group was clipped
+    # the ends move independently: the outlier group keeps its 12.0 top (a clipped outlier
+    # costs more than the coarser steps) and gives up part of its bottom instead
+    assert bounds[0, 0, 1] == 12.0 and bounds[0, 0, 0] > w[0, :32].min()
+    shrink = 1 - bounds / torch.stack([w.view(64, 2, 32).amin(2), w.view(64, 2, 32).amax(2)], 2)
+    assert int(((shrink[..., 0] - shrink[..., 1]).abs() > 1e-6).sum()) > 0
+    wg = lin.weight.data.view(64, 2, 32)
+    assert torch.equal(wg.amin(2), bounds[..., 0]) and torch.equal(wg.amax(2), bounds[..., 1])
 
 
 def test_quant_linear_matches_float64_reference() -> None:

@@ -23,8 +23,8 @@ CALIB = ("Once upon a time, there was a little girl named Lily. She loved to pla
 
 def _opts(method: str, steps: int = 30) -> QuantizeOptions:
     return QuantizeOptions(method=method, bits=4, group_size=32, calib_text=CALIB,
-                           num_samples=6, seq_len=64, tune=TuneOptions(steps=steps, batch=3,
-                                                                       lr=5e-3))
+                           num_samples=6, seq_len=64, desc_act=True,
+                           tune=TuneOptions(steps=steps, batch=3, lr=5e-3))
 
 
 def _kl(folder: str, ids: torch.Tensor) -> float:
@@ -39,6 +39,7 @@ def test_scales_move_integers_stay_and_kl_drops(tmp_path) -> None:
     a = quantize_model(DEFAULT_MODEL, str(tmp_path / "gptq"), _opts("gptq"), progress=False)
     b = quantize_model(DEFAULT_MODEL, str(tmp_path / "e2e"), _opts("gptq-e2e"), progress=False)
     assert b["config"]["meta"]["method"] == "gptq-e2e" and b["config"]["quant_method"] == "gptq"
+    assert QuantizeOptions(method="gptq-e2e").desc_act and not QuantizeOptions().desc_act
     moved = 0
     for name, ra in a["results"].items():
         rb = b["results"][name]
