@@ -1,7 +1,7 @@
 """Quality of nybble's quantizers against fp32 on the full held-out text (issue 14, item 1).
 
 For each model (default: shared/models/stories3m) and configuration (default: 4-bit g128 with
-rtn, gptq, gptq + act order, awq, awq-gptq; 8-bit g128 with rtn and gptq), quantize calibrated
+rtn, gptq, gptq + act order, awq, gptq-e2e; 8-bit g128 with rtn and gptq), quantize calibrated
 on all of ``stories-calib.txt`` (up to 128 sequences of 512 tokens) and measure, on the model
 the engine loads from the written folder (fp32 activations, CPU):
 * perplexity on **all** stories of ``stories-heldout.txt`` with ``nybble eval-ppl``'s model and
@@ -43,7 +43,7 @@ from nybble.quantize.eval_ppl import (  # noqa: E402
 SHARED = os.environ.get("NYBBLE_SHARED", os.path.join(os.path.dirname(_HERE), "..", "shared"))
 CONFIGS: list[tuple[str, int, int, dict]] = [
     ("rtn", 4, 128, {}), ("gptq", 4, 128, {}), ("gptq", 4, 128, {"desc_act": True}),
-    ("awq", 4, 128, {}), ("awq-gptq", 4, 128, {}), ("rtn", 8, 128, {}), ("gptq", 8, 128, {})]
+    ("awq", 4, 128, {}), ("gptq-e2e", 4, 128, {}), ("rtn", 8, 128, {}), ("gptq", 8, 128, {})]
 """(method, bits, group size, extra QuantizeOptions); every row asymmetric."""
 
 
@@ -96,8 +96,9 @@ def run_model(path: str, heldout: str, calib: str, args: argparse.Namespace) -> 
         qt = time.time() - t
         with open(os.path.join(out, "model.safetensors"), "rb") as f:
             sha = hashlib.sha256(f.read()).hexdigest()
-        row = evaluate(cfg, nybble_model(out), {"quantize_seconds": qt, "folder": out,
-                                        "safetensors_sha256": sha})
+        row = evaluate(cfg, nybble_model(out), {"quantize_seconds": qt,
+                                                "folder": os.path.basename(out),
+                                                "safetensors_sha256": sha})
         if method == "rtn":
             rtn[(bits, gs)] = row["perplexity"]
         if (bits, gs) in rtn and rtn[(bits, gs)] > fp_row["perplexity"]:

@@ -179,7 +179,9 @@ def _run(model: nn.Module, model_dir: str, opts: QuantizeOptions, progress: bool
         tuning = {"steps": opts.tune.steps, "batch": opts.tune.batch, "lr": opts.tune.lr,
                   "kl_first": losses[0] if losses else None,
                   "kl_last": losses[-1] if losses else None}
-    errors = {k: relative_output_error(o.weight, results[k].dequant, o.gram)
+    # NOTE: against the weight as written and dequantized by every loader (fp16 scales times
+    # integers, rounded to fp16), not the quantizer's float32 product
+    errors = {k: relative_output_error(o.weight, results[k].dequant.half().float(), o.gram)
               for k, o in outcomes.items()}
     return results, errors, skipped, calibration, tuning
 

@@ -8,9 +8,11 @@ quantized model is pulled toward the model it approximates rather than toward th
 calibration text), and the scales are parameterized as ``scale = scale0 * exp(theta)``
 (always positive, updates relative to the scale's size).
 
+With ``norms`` the RMSNorm weights (stored unquantized, and already rewritten by AWQ-style
+methods) are tuned with the scales: they rescale the activations every quantized layer sees.
 The integers and zero points stay those of GPTQ, so the result is an ordinary GPTQ checkpoint
-with different fp16 scales. Deterministic: full sequences in a fixed cyclic order, Adam with
-fixed settings, no randomness; the caller pins the thread count.
+with different fp16 scales (and norm weights). Deterministic: full sequences in a fixed cyclic
+order, Adam with fixed settings, no randomness; the caller pins the thread count.
 """
 from __future__ import annotations
 
@@ -29,11 +31,12 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class TuneOptions:
     """``steps`` Adam steps of ``batch`` calibration sequences each, learning rate ``lr`` on
-    ``theta`` (log-scale units)."""
+    ``theta`` (log-scale units) and on the norm weights when ``norms``."""
 
     steps: int = 120
     batch: int = 4
     lr: float = 2e-3
+    norms: bool = True
 
 
 class _ScaledIntLinear(nn.Module):
@@ -92,7 +95,13 @@ def tune_scales(teacher: nn.Module, student: nn.Module, results: dict[str, GPTQR
         mods[name] = _ScaledIntLinear(res)
         setattr(student.get_submodule(parent), child, mods[name])
     grad_was = torch.is_grad_enabled()
-    opt = torch.optim.Adam([m.theta for m in mods.values()], lr=opts.lr)
+    params = [m.theta for m in mods.values()]
+    if opts.norms:
+        norms = [m.weight for m in student.modules() if type(m).__name__.endswith("RMSNorm")]
+        for p in norms:
+            p.requires_grad_(True)
+        params += norms
+    opt = torch.optim.Adam(params, lr=opts.lr)
     losses: list[float] = []
     n = ids.shape[0]
     try:
@@ -113,6 +122,8 @@ def tune_scales(teacher: nn.Module, student: nn.Module, results: dict[str, GPTQR
         for name, orig in originals.items():
             parent, _, child = name.rpartition(".")
             setattr(student.get_submodule(parent), child, orig)
+        for p in student.parameters():
+            p.requires_grad_(False)
         for p in frozen:
             p.requires_grad_(True)
     out: dict[str, GPTQResult] = {}

@@ -70,7 +70,7 @@ def test_layer_error_from_its_inputs(quantized: tuple[str, dict]) -> None:
     q = load_model(out).get_submodule(name).dequantized_weight().double()
     expect = float((x @ (w - q).t()).norm() / (x @ w.t()).norm())
     got = read_report(out)["layers"][name]["relative_output_error"]
-    assert got == pytest.approx(expect, rel=1e-4)
+    assert got == pytest.approx(expect, rel=1e-5)
 
 
 def test_bytes_and_perplexity(quantized: tuple[str, dict]) -> None:
