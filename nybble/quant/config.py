@@ -20,7 +20,8 @@ from torch import nn
 
 from nybble.config import model_weight_files
 from nybble.errors import UnsupportedModelError
-from nybble.quant.linear import AWQLinear, CompressedPackedLinear, GPTQLinear, Int8W8A8Linear
+from nybble.quant.compressed import CompressedPackedLinear, Int8W8A8Linear
+from nybble.quant.linear import AWQLinear, CpuPathLog, GPTQLinear
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +136,7 @@ class QuantConfig:
         lm_head: the checkpoint quantizes ``lm_head`` (GPTQModel ``lm_head: true``).
         quantized_prefixes: modules whose tensors are stored quantized (None: unknown).
         raw: the normalised dict, for logs.
+        path_log: logs each CPU matmul choice of this model's layers once.
     """
 
     method: str
@@ -146,6 +148,7 @@ class QuantConfig:
     lm_head: bool = False
     quantized_prefixes: frozenset[str] | None = None
     raw: dict[str, Any] = field(default_factory=dict)
+    path_log: CpuPathLog = field(default_factory=CpuPathLog, compare=False, repr=False)
 
     def describe(self) -> str:
         """One line for start-up logs."""
@@ -205,12 +208,13 @@ class QuantConfig:
                 f"{32 // p.bits}, got {in_features}")
         if self.method == "gptq":
             return GPTQLinear(in_features, n, bias, dtype, device, p.bits, gs,
-                              1 if self.fmt == "gptq" else 0, p.sym)
+                              1 if self.fmt == "gptq" else 0, p.sym, self.path_log)
         if self.method == "awq":
-            return AWQLinear(in_features, n, bias, dtype, device, gs)
+            return AWQLinear(in_features, n, bias, dtype, device, gs, self.path_log)
         if self.fmt == "pack-quantized":
-            return CompressedPackedLinear(in_features, n, bias, dtype, device, p.bits, gs, p.sym)
-        return Int8W8A8Linear(in_features, n, bias, dtype, device)
+            return CompressedPackedLinear(in_features, n, bias, dtype, device, p.bits, gs, p.sym,
+                                          self.path_log)
+        return Int8W8A8Linear(in_features, n, bias, dtype, device, self.path_log)
 
 
 def _unsupported(what: str, value: object) -> UnsupportedModelError:
