@@ -165,12 +165,15 @@ def test_second_signal_exits_at_once(tmp_path: Path) -> None:
     proc, _ = start_server(tmp_path / "serve.log")
     try:
         core = core_pid(proc.pid)
-        proc.send_signal(signal.SIGINT)
+        # NOTE: two different signals: two pending SIGINTs can merge into one delivery when
+        # the server is not scheduled between them (a loaded machine), two kinds cannot
+        proc.send_signal(signal.SIGTERM)
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=EXIT_BOUND_S)
     finally:
         stop_server(proc)
-    assert proc.returncode == 128 + signal.SIGINT   # the immediate exit, not the graceful 0
+    # the immediate exit (code of whichever was handled second), not the graceful 0
+    assert proc.returncode in (128 + signal.SIGINT, 128 + signal.SIGTERM)
     assert _wait_gone(core)
 
 
