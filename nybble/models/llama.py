@@ -8,6 +8,9 @@ Architecture: Touvron et al. 2023 (Llama 2); GQA (Ainslie et al. 2023); Qwen2 ad
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -42,17 +45,30 @@ class LlamaAttention(nn.Module):
         self.rope = rope
         self.backend = backend
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """``x: [T, hidden]`` -> ``[T, hidden]``; writes this step's K/V into ``kv_cache``."""
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x: [T, hidden]`` -> rotated ``q [T, Hq, D]``, ``k [T, Hkv, D]`` and ``v [T, Hkv, D]``
+        (views of one tensor). ``cos``/``sin``: the step's rotary rows
+        (:meth:`RotaryEmbedding.lookup`)."""
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.rope(positions, q.reshape(num_tokens, self.num_heads, self.head_dim))
-        k = self.rope(positions, k.reshape(num_tokens, self.num_kv_heads, self.head_dim))
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        self.backend.reshape_and_cache(k, v, kv_cache, meta.slot_mapping)
+        qkv = self.qkv_proj(x).view(num_tokens, -1, self.head_dim)  # (T, Hq + 2 Hkv, D)
+        qk_heads = self.num_heads + self.num_kv_heads
+        # q and k are adjacent in the fused output: one rotation covers both.
+        qk = self.rope.apply(qkv[:, :qk_heads], cos, sin)
+        return qk[:, :self.num_heads], qk[:, self.num_heads:], qkv[:, qk_heads:]
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Write this step's ``k``/``v`` into ``kv_cache`` and attend: ``[T, Hq * D]`` (before
+        ``o_proj``)."""
+        self.backend.reshape_and_cache(k, v, kv_cache, meta)
         out = self.backend.forward(q, kv_cache, meta, self.scale)  # (T, Hq, D)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return out.view(q.shape[0], self.q_size)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """``x: [T, hidden]`` -> ``[T, hidden]``; writes this step's K/V into ``kv_cache``."""
+        return self.o_proj(self.attend(*self.project(x, cos, sin), kv_cache, meta))
 
 
 class LlamaMLP(nn.Module):
@@ -93,11 +109,48 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
         self.mlp = LlamaMLP(config, f"{prefix}.mlp", linear, dtype, device)
 
-    def forward(self, positions: torch.Tensor, h: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """``h: [T, hidden]`` -> ``[T, hidden]``."""
-        h = h + self.self_attn(positions, self.input_layernorm(h), kv_cache, meta)
+    def pre_attention(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The dense work before attention: ``h: [T, hidden]`` -> ``(q, k, v)``."""
+        return self.self_attn.project(self.input_layernorm(h), cos, sin)
+
+    def post_attention(self, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The dense work after attention: ``o_proj``, both residuals and the MLP;
+        ``attn: [T, Hq * D]`` -> the layer's output ``[T, hidden]``."""
+        h = h + self.self_attn.o_proj(attn)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """``h: [T, hidden]`` -> ``[T, hidden]``."""
+        attn = self.self_attn.attend(*self.pre_attention(h, cos, sin), kv_cache, meta)
+        return self.post_attention(h, attn)
+
+
+Segment = Callable[..., Any]
+
+
+def _first_segment(model: LlamaForCausalLM, input_ids: torch.Tensor, positions: torch.Tensor
+                   ) -> tuple[torch.Tensor, ...]:
+    """Embedding, the step's rotary rows and layer 0 up to attention:
+    ``(h, cos, sin, q, k, v)``."""
+    h = model.embed_tokens(input_ids)
+    cos, sin = model.rotary_emb.lookup(positions, h.dtype)
+    return (h, cos, sin, *model.layers[0].pre_attention(h, cos, sin))
+
+
+def _middle_segment(layer: LlamaDecoderLayer, following: LlamaDecoderLayer, h: torch.Tensor,
+                    attn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                    ) -> tuple[torch.Tensor, ...]:
+    """From one layer's attention output to the next layer's ``(h, q, k, v)``."""
+    h = layer.post_attention(h, attn)
+    return (h, *following.pre_attention(h, cos, sin))
+
+
+def _last_segment(layer: LlamaDecoderLayer, norm: RMSNorm, h: torch.Tensor,
+                  attn: torch.Tensor) -> torch.Tensor:
+    """The last layer after attention, then the final norm."""
+    return norm(layer.post_attention(h, attn))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -118,7 +171,8 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.shape = ModelShape.from_hf_config(config)
-        rope = RotaryEmbedding(config, self.shape.head_dim, max_positions, device)
+        self.rotary_emb = rope = RotaryEmbedding(config, self.shape.head_dim, max_positions,
+                                                 device)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype,
                                          device=device)
         self.embed_tokens.weight.requires_grad_(False)
@@ -130,14 +184,32 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if self.tie_word_embeddings else nn.Parameter(
             torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device),
             requires_grad=False)
+        self.segments: tuple[Segment, Segment, Segment] = (
+            _first_segment, _middle_segment, _last_segment)
+
+    def compile_segments(self) -> None:
+        """``torch.compile`` (inductor) the dense segments between attentions; attention and
+        the KV-cache writes stay eager (vLLM's piecewise compilation). Each segment is one
+        graph shared by every layer (parameters are graph inputs) with a dynamic token count,
+        so it compiles once per segment, lazily, on its first call."""
+        self.segments = tuple(torch.compile(f, dynamic=True)  # type: ignore[assignment]
+                              for f in (_first_segment, _middle_segment, _last_segment))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        """``input_ids, positions: [T]`` (int64) -> final hidden states ``[T, hidden]``."""
-        h = self.embed_tokens(input_ids)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            h = layer(positions, h, kv_cache, meta)
-        return self.norm(h)
+        """``input_ids, positions: [T]`` (int32 or int64) -> final hidden states
+        ``[T, hidden]``. Runs as segments cut at attention (see :meth:`compile_segments`);
+        the rotary rows are gathered once for every layer."""
+        first, middle, last = self.segments
+        h, cos, sin, q, k, v = first(self, input_ids, positions)
+        layers = self.layers
+        final = len(layers) - 1
+        for i, layer in enumerate(layers):
+            attn = layer.self_attn.attend(q, k, v, kv_caches[i], meta)
+            if i == final:
+                return last(layer, self.norm, h, attn)
+            h, q, k, v = middle(layer, layers[i + 1], h, attn, cos, sin)
+        raise AssertionError("unreachable: a model has at least one layer")
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden: [S, hidden]`` -> logits ``[S, vocab]`` (tied to the embeddings if so)."""

@@ -71,7 +71,7 @@ class EngineCore:
         self.loaded: LoadedModel = load_model(mc, backend, self.device)
         self.kv_spec = plan_kv_cache(config.cache_config, self.loaded.shape, self.loaded.dtype,
                                      self.device)
-        self.runner = ModelRunner(self.loaded, self.kv_spec, self.device, mc.seed)
+        self.runner = ModelRunner(self.loaded, self.kv_spec, self.device, config)
         sc = config.scheduler_config
         self.max_model_len = self.loaded.max_model_len
         self.scheduler = Scheduler(self.kv_spec.num_blocks, self.kv_spec.block_size,
