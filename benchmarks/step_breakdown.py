@@ -7,14 +7,15 @@ real code path, by wrapping the phase functions on the instance (nothing else ch
 * ``schedule``: ``Scheduler.schedule()`` (Cython);
 * ``prepare``: the rest of ``ModelRunner.execute`` (step inputs, metadata, sampling rows,
   result arrays): ``execute`` minus forward minus sample;
-* ``forward``: the model's ``forward`` (embedding, decoder layers, final norm);
+* ``forward``: the model's ``forward`` (embedding, decoder layers, final norm; on CUDA a
+  replayed decode graph counts in ``prepare``: ``--engine-args enforce_eager=1`` separates it);
 * ``sample``: ``compute_logits`` plus the sampler;
 * ``output``: the rest of ``EngineCore.step`` (``Scheduler.update``, the output message);
 * ``detok``: the output processor (``LLMEngine.step`` minus ``EngineCore.step``);
 * ``step``: the whole ``LLMEngine.step``.
 
 All times are microseconds per step, the median over ``--steps`` decode steps after the
-prompts are in the cache. A second, shorter pass under ``torch.profiler`` counts the aten ops
+prompts are in the cache (on CUDA each phase ends with a device sync). A second, shorter pass under ``torch.profiler`` counts the aten ops
 one step dispatches (``ops``). Run with one torch thread::
 
     OMP_NUM_THREADS=1 python benchmarks/step_breakdown.py [--label after] [--steps 200]
@@ -47,10 +48,12 @@ PHASES = ("schedule", "prepare", "forward", "sample", "output", "detok", "step")
 
 
 class _Timer:
-    """Accumulates the seconds spent in wrapped callables during one step, by phase."""
+    """Accumulates the seconds spent in wrapped callables during one step, by phase; on CUDA
+    each phase ends with a device sync, so its kernels count in it."""
 
-    def __init__(self) -> None:
+    def __init__(self, sync: Callable[[], None] | None) -> None:
         self.spent: dict[str, float] = defaultdict(float)
+        self.sync = sync
 
     def wrap(self, phase: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -58,6 +61,8 @@ class _Timer:
             try:
                 return fn(*args, **kwargs)
             finally:
+                if self.sync is not None:
+                    self.sync()
                 self.spent[phase] += time.perf_counter() - start
         return timed
 
@@ -77,8 +82,8 @@ class _SchedulerProxy:
 def instrument(engine: LLMEngine) -> tuple[_Timer, Callable[[], None]]:
     """Wrap the phase functions of ``engine`` (instance attributes only); returns the timer
     and a function that undoes the wrapping."""
-    timer = _Timer()
     core = engine.engine_core
+    timer = _Timer(torch.cuda.synchronize if core.device.type == "cuda" else None)
     runner, model = core.runner, core.runner.model
     original_sample = model_runner_module.sample
     core.scheduler = _SchedulerProxy(core.scheduler, timer)

@@ -165,37 +165,35 @@ def _plan_prefill(meta: AttentionMetadata, group: torch.Tensor | None, q_lens: t
 
 def plan_attention(meta: AttentionMetadata, kv_cache: torch.Tensor) -> AttentionPlan:
     """Derive the step's :class:`AttentionPlan` from ``meta`` (for a cache shaped like
-    ``kv_cache``); a decode-only step needs no host sync."""
-    write_rows = None
-    if meta.is_decode_only:
-        return AttentionPlan(_plan_decode(meta, None, kv_cache), None, write_rows)
+    ``kv_cache``); one host sync (are all slots written?), one more for a mixed batch."""
     valid = meta.slot_mapping >= 0
-    if not bool(valid.all()):
-        write_rows = valid.nonzero().flatten()
+    write_rows = None if bool(valid.all()) else valid.nonzero().flatten()
+    if meta.is_decode_only or meta.max_query_len == 1:
+        return AttentionPlan(_plan_decode(meta, None, kv_cache), None, write_rows)
     qsl = meta.query_start_loc.long()
     q_lens = qsl[1:] - qsl[:-1]
-    if meta.max_query_len == 1:   # one new token each, but not flagged decode-only
-        return AttentionPlan(_plan_decode(meta, None, kv_cache), None, write_rows)
     is_decode = q_lens == 1
-    num_decode = int(is_decode.sum())
-    if num_decode == 0:
+    if not bool(is_decode.any()):
         return AttentionPlan(None, _plan_prefill(meta, None, q_lens, kv_cache), write_rows)
     return AttentionPlan(_plan_decode(meta, is_decode.nonzero().flatten(), kv_cache),
                          _plan_prefill(meta, (~is_decode).nonzero().flatten(), q_lens, kv_cache),
                          write_rows)
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+def _group_query(query: torch.Tensor, kv_cache: torch.Tensor, tokens: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, int, int, int, torch.dtype]:
+    """A group's query rows (all when ``tokens`` is None), ``Hq``, ``Hkv``, ``D`` and the
+    compute dtype (float64 for float64 inputs, else float32)."""
+    num_heads, head_dim = query.shape[1:]
+    acc = torch.float64 if query.dtype == torch.float64 else torch.float32
+    q = query if tokens is None else query[tokens]
+    return q, num_heads, kv_cache.shape[3], head_dim, acc
 
 
 def _decode(query: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan,
             scale: float) -> torch.Tensor:
     """``softmax(q k^T * scale + mask) v`` for the decode rows; ``[Bd, Hq, D]`` float."""
-    num_heads, head_dim = query.shape[1:]
-    num_kv_heads = kv_cache.shape[3]
-    acc = _compute_dtype(query.dtype)
-    q = query if plan.tokens is None else query[plan.tokens]
+    q, num_heads, num_kv_heads, head_dim, acc = _group_query(query, kv_cache, plan.tokens)
     batch, s = q.shape[0], plan.max_seq_len
     kv = kv_cache.view(2, -1, head_dim).index_select(1, plan.kv_rows)
     if kv.dtype != acc:
@@ -213,10 +211,7 @@ def _decode(query: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan,
 def _prefill(query: torch.Tensor, kv_cache: torch.Tensor, plan: PrefillPlan,
              scale: float) -> torch.Tensor:
     """Causal attention of the prefill chunks, padded; ``[Tp, Hq, D]`` float."""
-    num_heads, head_dim = query.shape[1:]
-    num_kv_heads = kv_cache.shape[3]
-    acc = _compute_dtype(query.dtype)
-    q = query if plan.tokens is None else query[plan.tokens]
+    q, num_heads, num_kv_heads, head_dim, acc = _group_query(query, kv_cache, plan.tokens)
     q_pad = q.new_zeros(plan.batch * plan.max_query_len, num_heads, head_dim, dtype=acc)
     q_pad.index_copy_(0, plan.pad_rows, _cast(q, acc))
     q_pad = q_pad.view(plan.batch, plan.max_query_len, num_heads, head_dim)

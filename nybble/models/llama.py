@@ -170,6 +170,7 @@ class LlamaForCausalLM(nn.Module):
                  device: torch.device, bias: tuple[bool, bool] = (False, False)) -> None:
         super().__init__()
         self.config = config
+        self.attention_backend = backend
         self.shape = ModelShape.from_hf_config(config)
         self.rotary_emb = rope = RotaryEmbedding(config, self.shape.head_dim, max_positions,
                                                  device)

@@ -3,7 +3,9 @@
 No Python loop over tokens, no new tensor per step for the inputs: on the CPU each array is
 shared with the scheduler's buffer, on a GPU it fills a slice of a persistent buffer
 (:class:`StepInputs`). A decode step samples every hidden row as it is (no gather), and an
-all-greedy batch costs one argmax.
+all-greedy batch costs one argmax. On CUDA, decode steps replay CUDA graphs
+(:class:`DecodeGraphs`) unless ``enforce_eager``; ``compilation_level`` 3 compiles the model's
+dense segments (:meth:`LlamaForCausalLM.compile_segments`).
 The runner owns everything torch-side of a step: the model, the KV caches, and the sampling
 state of every live sequence (a :class:`SamplingTable`: rows added when the engine core admits
 a request, dropped when a sequence finishes). Results leave as numpy arrays.
@@ -20,9 +22,11 @@ from nybble.config import EngineConfig
 from nybble.kernels.interface import AttentionMetadata
 from nybble.models.loader import LoadedModel
 from nybble.runtime.batch import ScheduledBatch
+from nybble.runtime.cuda_graphs import DecodeGraphs, capture_sizes
 from nybble.runtime.kv_cache import KVCacheSpec, allocate_kv_cache
 from nybble.runtime.sampler import sample
 from nybble.runtime.sampling_table import SamplingTable
+from nybble.runtime.step_inputs import StepInputs
 from nybble.sampling_params import SamplingParams
 
 
@@ -48,50 +52,6 @@ def _host(t: torch.Tensor | None) -> np.ndarray | None:
     return None if t is None else t.cpu().numpy()
 
 
-class StepInputs:
-    """The step's index arrays as device tensors, without new tensors per step on a GPU.
-
-    On the CPU a tensor shares the scheduler's numpy buffer (``torch.from_numpy``: no copy;
-    the buffers stay valid until the next ``schedule()``, after the step). On a GPU every
-    field has a pinned host staging buffer and a device buffer, both sized once for the
-    largest step; :meth:`put` fills a slice of each (one host-to-device copy, no allocation).
-
-    Args:
-        device: where the model runs.
-        max_num_tokens: tokens in the largest step (``max_num_batched_tokens``).
-        max_num_seqs: sequences (and sampled rows) in the largest step.
-        block_table_width: ``ceil(max_model_len / block_size)`` block ids per sequence.
-    """
-
-    def __init__(self, device: torch.device, max_num_tokens: int, max_num_seqs: int,
-                 block_table_width: int) -> None:
-        self.device = device
-        self._host: dict[str, torch.Tensor] = {}
-        self._dev: dict[str, torch.Tensor] = {}
-        if device.type == "cpu":
-            return
-        t, b = max_num_tokens, max_num_seqs
-        shapes = {"input_ids": ((t,), torch.int32), "positions": ((t,), torch.int64),
-                  "slot_mapping": ((t,), torch.int64), "seq_lens": ((b,), torch.int32),
-                  "query_start_loc": ((b + 1,), torch.int32),
-                  "block_tables": ((b, block_table_width), torch.int32),
-                  "sample_rows": ((max(t, b),), torch.int64),
-                  "copy_src": ((b,), torch.int64), "copy_dst": ((b,), torch.int64)}
-        for name, (shape, dtype) in shapes.items():
-            self._host[name] = torch.empty(shape, dtype=dtype, pin_memory=True)
-            self._dev[name] = torch.empty(shape, dtype=dtype, device=device)
-
-    def put(self, name: str, array: np.ndarray) -> torch.Tensor:
-        """``array`` (a field of :class:`ScheduledBatch`, or ``copy_src``/``copy_dst``) as
-        a tensor on the device: the first ``len(array)`` rows of the field's buffer."""
-        if self.device.type == "cpu":
-            return torch.from_numpy(array)
-        n = array.shape[0]
-        host, dev = self._host[name][:n], self._dev[name][:n]
-        np.copyto(host.numpy(), array, casting="same_kind")
-        return dev.copy_(host, non_blocking=True)
-
-
 class ModelRunner:
     """Owns the model, the per-layer KV caches and the per-sequence sampling state.
 
@@ -110,11 +70,19 @@ class ModelRunner:
         self.kv_caches = allocate_kv_cache(spec, device)
         self.generator = torch.Generator(device=device).manual_seed(config.model_config.seed)
         self.sampling = SamplingTable(loaded.shape.vocab_size, device)
-        sc = config.scheduler_config
+        sc, cc = config.scheduler_config, config.compilation_config
         self.inputs = StepInputs(device, sc.max_num_batched_tokens, sc.max_num_seqs,
                                  -(-loaded.max_model_len // spec.block_size))
         self._arange = np.arange(max(sc.max_num_batched_tokens, sc.max_num_seqs),
                                  dtype=np.int32)
+        if cc.compilation_level == 3:
+            self.model.compile_segments()
+        self.graphs: DecodeGraphs | None = None
+        if device.type == "cuda" and not cc.enforce_eager and \
+                self.model.attention_backend.name == "triton":
+            self.graphs = DecodeGraphs(
+                self.model, self.kv_caches, capture_sizes(sc.max_num_seqs, cc.cuda_graph_sizes),
+                self.inputs, loaded.max_model_len, capture=True)
 
     def add_request(self, first_seq_id: int, params: SamplingParams) -> None:
         """Add the sampling rows of a request's ``params.n`` sequences (at admission)."""
@@ -163,8 +131,11 @@ class ModelRunner:
         """
         if len(batch.copy_src):
             self._copy_blocks(batch.copy_src, batch.copy_dst)
-        input_ids, positions, meta = self.prepare(batch)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if self.graphs is not None and self.graphs.can_run(batch):
+            hidden = self.graphs.run(batch)
+        else:
+            input_ids, positions, meta = self.prepare(batch)
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
         logits = self.model.compute_logits(self._sampled_hidden(hidden, batch))
         out = sample(logits, self.sampling.batch(batch.sample_seq_ids), self.generator)
         return ModelRunnerOutput(
