@@ -33,7 +33,7 @@ class AttentionMetadata:
         query_start_loc: ``[B+1]`` int32, cumulative new-token offsets, starts at 0.
         seq_lens: ``[B]`` int32, tokens of each sequence after this step (cached + new).
         block_tables: ``[B, MB]`` int32, KV block ids; entries past a sequence's blocks are
-            padding (any value, never read).
+            padding (``-1`` or any block id of the pool; never read).
         max_query_len: ``max(q_len_i)`` (python int, tokens).
         max_seq_len: ``max(seq_lens)`` (python int, tokens).
         is_decode_only: every sequence has exactly one new token (lets a backend use its

@@ -14,6 +14,7 @@ longest chunk and run through ``scaled_dot_product_attention`` with a causal mas
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -57,17 +58,15 @@ class DecodePlan:
         kv_rows: ``[Bd * Hkv * S]`` int64 rows of the cache viewed ``[2, NB * BS * Hkv, D]``,
             ordered (sequence, KV head, position) so one ``index_select`` yields
             ``[Bd * Hkv, S, D]``; positions past a sequence's length read row 0 (masked).
-        masked: ``[Bd * Hkv, 1, S]`` bool, True for key positions ``>= seq_len``.
+        bias: ``[Bd * Hkv, 1, S]`` float32 additive mask: 0 for key positions
+            ``< seq_len``, ``-inf`` past it.
         max_seq_len: ``S`` (tokens).
-        bias: ``masked`` as an additive float mask (0 / -inf) in the compute dtype, made by
-            the first layer that needs it.
     """
 
     tokens: torch.Tensor | None
     kv_rows: torch.Tensor
-    masked: torch.Tensor
+    bias: torch.Tensor
     max_seq_len: int
-    bias: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -103,26 +102,45 @@ class AttentionPlan:
     write_rows: torch.Tensor | None
 
 
-def _slots(block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
-           block_size: int) -> torch.Tensor:
-    """``[B, S]`` int64 cache slot of each sequence's first ``S = max_seq_len`` positions;
-    positions in blocks past a sequence's length read slot 0 (the caller masks them).
+_ARANGE: dict[torch.device, torch.Tensor] = {}
 
-    NOTE: block-table entries past a sequence's blocks may hold any value (interface), so
-    they are zeroed rather than trusted.
-    """
+
+def _arange(n: int, device: torch.device) -> torch.Tensor:
+    """``arange(n)`` int64, a slice of one cached tensor per device (grown on demand)."""
+    cached = _ARANGE.get(device)
+    if cached is None or cached.shape[0] < n:
+        cached = _ARANGE[device] = torch.arange(max(n, 4096), device=device)
+    return cached[:n]
+
+
+@functools.lru_cache(maxsize=16)
+def _row_offsets(block_size: int, num_kv_heads: int, device: torch.device) -> torch.Tensor:
+    """``[Hkv, 1, BS]`` int64: row ``j * Hkv + h`` of slot ``j`` of a block, KV head ``h``."""
+    heads = torch.arange(num_kv_heads, device=device)[:, None, None]
+    return torch.arange(block_size, device=device)[None, None, :] * num_kv_heads + heads
+
+
+def _block_rows(block_tables: torch.Tensor, max_seq_len: int, block_size: int,
+                rows_per_slot: int) -> torch.Tensor:
+    """``[B, nb]`` int64 first row of each block holding the first ``S = max_seq_len``
+    positions, in a cache view with ``rows_per_slot`` rows per slot; padding (``-1``) reads
+    block 0 (the caller masks it)."""
     nb = -(-max_seq_len // block_size)
-    starts = torch.arange(0, nb * block_size, block_size, device=block_tables.device)
-    tables = block_tables[:, :nb].long() * (starts[None, :] < seq_lens[:, None])
-    offsets = torch.arange(block_size, device=block_tables.device)
-    slots = (tables[:, :, None] * block_size + offsets).view(tables.shape[0], nb * block_size)
-    return slots[:, :max_seq_len]
+    return block_tables[:, :nb].long().clamp_(min=0).mul_(block_size * rows_per_slot)
+
+
+def _slots(block_tables: torch.Tensor, max_seq_len: int, block_size: int) -> torch.Tensor:
+    """``[B * S]`` int64 cache slot of each sequence's first ``S = max_seq_len`` positions."""
+    base = _block_rows(block_tables, max_seq_len, block_size, 1)
+    batch, nb = base.shape
+    slots = (base[:, :, None] + _arange(block_size, base.device)).view(batch, nb * block_size)
+    return slots[:, :max_seq_len].reshape(-1)
 
 
 def _plan_decode(meta: AttentionMetadata, group: torch.Tensor | None, kv_cache: torch.Tensor
                  ) -> DecodePlan:
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
-    seq_lens, tables = meta.seq_lens.long(), meta.block_tables
+    seq_lens, tables = meta.seq_lens, meta.block_tables
     tokens = None
     if group is None:
         max_seq_len = meta.max_seq_len
@@ -130,13 +148,13 @@ def _plan_decode(meta: AttentionMetadata, group: torch.Tensor | None, kv_cache: 
         seq_lens, tables = seq_lens[group], tables[group]
         tokens = meta.query_start_loc[:-1].long()[group]
         max_seq_len = int(seq_lens.max())
-    slots = _slots(tables, seq_lens, max_seq_len, block_size)
-    heads = torch.arange(num_kv_heads, device=slots.device)
-    kv_rows = (slots[:, None, :] * num_kv_heads + heads[None, :, None]).flatten()
-    positions = torch.arange(max_seq_len, device=slots.device)
-    masked = (positions[None, :] >= seq_lens[:, None])[:, None, None, :]
-    masked = masked.expand(-1, num_kv_heads, 1, -1).reshape(-1, 1, max_seq_len)
-    return DecodePlan(tokens, kv_rows, masked, max_seq_len)
+    base = _block_rows(tables, max_seq_len, block_size, num_kv_heads)
+    batch, nb = base.shape
+    rows = base.view(batch, 1, nb, 1) + _row_offsets(block_size, num_kv_heads, base.device)
+    kv_rows = rows.view(batch, num_kv_heads, nb * block_size)[:, :, :max_seq_len].reshape(-1)
+    masked = _arange(max_seq_len, base.device) >= seq_lens.view(batch, 1, 1, 1)
+    bias = torch.where(masked, float("-inf"), 0.0).expand(batch, num_kv_heads, 1, max_seq_len)
+    return DecodePlan(tokens, kv_rows, bias.reshape(-1, 1, max_seq_len), max_seq_len)
 
 
 def _plan_prefill(meta: AttentionMetadata, group: torch.Tensor | None, q_lens: torch.Tensor,
@@ -158,9 +176,9 @@ def _plan_prefill(meta: AttentionMetadata, group: torch.Tensor | None, q_lens: t
     k_pos = torch.arange(max_s, device=device)
     allowed = (k_pos[None, None, :] <= q_pos[:, :, None]) & \
         (k_pos[None, None, :] < seq_lens[:, None, None])  # [Bp, max_q, S]
-    slots = _slots(tables, seq_lens, max_s, kv_cache.shape[2])
-    return PrefillPlan(tokens, seq_of_row * max_q + row_in_seq, slots.flatten(),
-                       allowed[:, None], batch, max_q, max_s)
+    return PrefillPlan(tokens, seq_of_row * max_q + row_in_seq,
+                       _slots(tables, max_s, kv_cache.shape[2]), allowed[:, None], batch,
+                       max_q, max_s)
 
 
 def plan_attention(meta: AttentionMetadata, kv_cache: torch.Tensor) -> AttentionPlan:
@@ -199,12 +217,9 @@ def _decode(query: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan,
     if kv.dtype != acc:
         kv, q = kv.to(acc), q.to(acc)
     keys, values = kv.view(2, batch * num_kv_heads, s, head_dim).unbind(0)
-    if plan.bias is None or plan.bias.dtype != acc:
-        plan.bias = torch.zeros(plan.masked.shape, dtype=acc, device=q.device
-                                ).masked_fill_(plan.masked, float("-inf"))
     # NOTE: the product makes q contiguous, so [B, Hq, D] views as [B * Hkv, group, D].
     q = (q * scale).view(batch * num_kv_heads, num_heads // num_kv_heads, head_dim)
-    probs = torch.baddbmm(plan.bias, q, keys.transpose(1, 2)).softmax(dim=-1)
+    probs = torch.baddbmm(_cast(plan.bias, acc), q, keys.transpose(1, 2)).softmax(dim=-1)
     return torch.bmm(probs, values).view(batch, num_heads, head_dim)
 
 

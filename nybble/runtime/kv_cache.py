@@ -6,6 +6,7 @@ One tensor per layer, ``[2, num_blocks, block_size, num_kv_heads, head_dim]``: i
 """
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 
 import numpy as np
@@ -81,13 +82,15 @@ def allocate_kv_cache(spec: KVCacheSpec, device: torch.device) -> list[torch.Ten
     """One zeroed ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` tensor per layer.
 
     NOTE: zeroed, not empty: masked-out slots are multiplied by a zero probability, and
-    uninitialised memory may hold NaN (0 * NaN = NaN). On CPU the zeros come from numpy's
-    calloc, whose pages the OS maps lazily: start-up does not touch the whole pool, and
-    resident memory grows with the blocks actually written.
+    uninitialised memory may hold NaN (0 * NaN = NaN). On CPU each tensor is an anonymous
+    ``mmap`` (not ``malloc``, which the CPU runner tells to reuse freed heap memory): the OS
+    maps its zero pages lazily, so start-up does not touch the whole pool, resident memory
+    grows with the blocks actually written, and freeing the cache returns it to the OS.
     """
     shape = (2, spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
     np_dtype = {torch.float32: np.float32, torch.float16: np.float16}.get(spec.dtype)
     if device.type == "cpu" and np_dtype is not None:
-        return [torch.from_numpy(np.zeros(shape, dtype=np_dtype))
-                for _ in range(spec.num_layers)]
+        nbytes = int(np.prod(shape)) * np.dtype(np_dtype).itemsize
+        return [torch.from_numpy(np.frombuffer(mmap.mmap(-1, nbytes), dtype=np_dtype)
+                                 .reshape(shape)) for _ in range(spec.num_layers)]
     return [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]

@@ -23,6 +23,7 @@ from nybble.kernels.interface import AttentionMetadata
 from nybble.models.loader import LoadedModel
 from nybble.runtime.batch import ScheduledBatch
 from nybble.runtime.cuda_graphs import DecodeGraphs, capture_sizes
+from nybble.runtime.host_memory import retain_freed_memory
 from nybble.runtime.kv_cache import KVCacheSpec, allocate_kv_cache
 from nybble.runtime.sampler import sample
 from nybble.runtime.sampling_table import SamplingTable
@@ -67,6 +68,8 @@ class ModelRunner:
         self.model = loaded.model
         self.spec = spec
         self.device = device
+        if device.type == "cpu":
+            retain_freed_memory()
         self.kv_caches = allocate_kv_cache(spec, device)
         self.generator = torch.Generator(device=device).manual_seed(config.model_config.seed)
         self.sampling = SamplingTable(loaded.shape.vocab_size, device)
