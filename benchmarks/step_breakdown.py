@@ -44,6 +44,7 @@ from nybble.config import DEFAULT_MODEL
 from nybble.runtime import model_runner as model_runner_module
 from nybble.runtime.engine import LLMEngine
 
+WARMUP_STEPS = 4
 PHASES = ("schedule", "prepare", "forward", "sample", "output", "detok", "step")
 
 
@@ -128,8 +129,10 @@ def _start(engine: LLMEngine, num_seqs: int, prompt_len: int, max_tokens: int,
 
 def measure(engine: LLMEngine, num_seqs: int, steps: int, prompt_len: int) -> dict[str, Any]:
     """Median microseconds per phase over ``steps`` decode steps of ``num_seqs`` sequences."""
-    _start(engine, num_seqs, prompt_len, steps + 8, seed=num_seqs)
+    _start(engine, num_seqs, prompt_len, steps + 16, seed=num_seqs)
     assert engine.scheduler.num_running == num_seqs, "every sequence must be decoding"
+    for _ in range(WARMUP_STEPS):   # compiled segments / graphs see this shape once first
+        engine.step()
     timer, undo = instrument(engine)
     rows: list[dict[str, float]] = []
     try:

@@ -4,7 +4,9 @@ Flat-batch convention: activations are ``[T, hidden]`` for the ``T`` new tokens 
 """
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -26,6 +28,14 @@ class RMSNorm(nn.Module):
                                    requires_grad=False)
         self.eps = eps
         self.normalized_shape = (hidden_size,)
+
+    def as_function(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """:meth:`forward` as a plain callable for activations of the weight's dtype (no
+        ``nn.Module`` dispatch per call)."""
+        if self.weight.dtype == torch.float32:
+            return functools.partial(torch.rms_norm, normalized_shape=self.normalized_shape,
+                                     weight=self.weight, eps=self.eps)
+        return self.forward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalise each row of ``x: [T, hidden]``."""

@@ -8,21 +8,28 @@ Architecture: Touvron et al. 2023 (Llama 2); GQA (Ainslie et al. 2023); Qwen2 ad
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import torch
 from torch import nn
 
 from nybble.kernels.interface import AttentionBackend, AttentionMetadata
 from nybble.models.hf_config import HFConfig
-from nybble.models.layers import RMSNorm, RotaryEmbedding, silu_and_mul
-from nybble.models.linear import LinearFactory, build_linear
+from nybble.models.layer_ops import (
+    EAGER_SEGMENTS,
+    LayerOps,
+    ModelOps,
+    Segments,
+    post_attention,
+    pre_attention,
+    run_step,
+)
+from nybble.models.layers import RMSNorm, RotaryEmbedding
+from nybble.models.linear import LinearFactory, as_function, build_linear
 from nybble.models.shape import ModelShape
 
 
 class LlamaAttention(nn.Module):
-    """Self-attention: fused qkv -> RoPE -> write KV cache -> paged attention -> o_proj."""
+    """Self-attention: fused qkv -> RoPE -> write KV cache -> paged attention -> o_proj (the
+    step runs it through :mod:`nybble.models.layer_ops`)."""
 
     def __init__(self, shape: ModelShape, prefix: str, linear: LinearFactory,
                  rope: RotaryEmbedding, backend: AttentionBackend, bias: tuple[bool, bool],
@@ -45,34 +52,18 @@ class LlamaAttention(nn.Module):
         self.rope = rope
         self.backend = backend
 
-    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``x: [T, hidden]`` -> rotated ``q [T, Hq, D]``, ``k [T, Hkv, D]`` and ``v [T, Hkv, D]``
-        (views of one tensor). ``cos``/``sin``: the step's rotary rows
-        (:meth:`RotaryEmbedding.lookup`)."""
-        num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x).view(num_tokens, -1, self.head_dim)  # (T, Hq + 2 Hkv, D)
-        qk_heads = self.num_heads + self.num_kv_heads
-        # q and k are adjacent in the fused output: one rotation covers both.
-        qk = self.rope.apply(qkv[:, :qk_heads], cos, sin)
-        return qk[:, :self.num_heads], qk[:, self.num_heads:], qkv[:, qk_heads:]
-
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Write this step's ``k``/``v`` into ``kv_cache`` and attend: ``[T, Hq * D]`` (before
-        ``o_proj``)."""
+        """Write this step's ``k``/``v`` ``[T, Hkv, D]`` into ``kv_cache`` and attend with
+        ``q [T, Hq, D]``: ``[T, Hq * D]`` (before ``o_proj``)."""
         self.backend.reshape_and_cache(k, v, kv_cache, meta)
         out = self.backend.forward(q, kv_cache, meta, self.scale)  # (T, Hq, D)
         return out.view(q.shape[0], self.q_size)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """``x: [T, hidden]`` -> ``[T, hidden]``; writes this step's K/V into ``kv_cache``."""
-        return self.o_proj(self.attend(*self.project(x, cos, sin), kv_cache, meta))
-
 
 class LlamaMLP(nn.Module):
-    """SwiGLU feed-forward with a fused gate/up projection."""
+    """SwiGLU feed-forward with a fused gate/up projection (run by
+    :func:`nybble.models.layer_ops.post_attention`)."""
 
     def __init__(self, config: HFConfig, prefix: str, linear: LinearFactory,
                  dtype: torch.dtype, device: torch.device) -> None:
@@ -88,10 +79,6 @@ class LlamaMLP(nn.Module):
                                          hidden, [inter, inter], bias, dtype, device)
         self.down_proj = build_linear(linear, [f"{prefix}.down_proj"], inter, [hidden], bias,
                                       dtype, device)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x: [T, hidden]`` -> ``[T, hidden]``."""
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -109,48 +96,13 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
         self.mlp = LlamaMLP(config, f"{prefix}.mlp", linear, dtype, device)
 
-    def pre_attention(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The dense work before attention: ``h: [T, hidden]`` -> ``(q, k, v)``."""
-        return self.self_attn.project(self.input_layernorm(h), cos, sin)
-
-    def post_attention(self, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """The dense work after attention: ``o_proj``, both residuals and the MLP;
-        ``attn: [T, Hq * D]`` -> the layer's output ``[T, hidden]``."""
-        h = h + self.self_attn.o_proj(attn)
-        return h + self.mlp(self.post_attention_layernorm(h))
-
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """``h: [T, hidden]`` -> ``[T, hidden]``."""
-        attn = self.self_attn.attend(*self.pre_attention(h, cos, sin), kv_cache, meta)
-        return self.post_attention(h, attn)
-
-
-Segment = Callable[..., Any]
-
-
-def _first_segment(model: LlamaForCausalLM, input_ids: torch.Tensor, positions: torch.Tensor
-                   ) -> tuple[torch.Tensor, ...]:
-    """Embedding, the step's rotary rows and layer 0 up to attention:
-    ``(h, cos, sin, q, k, v)``."""
-    h = model.embed_tokens(input_ids)
-    cos, sin = model.rotary_emb.lookup(positions, h.dtype)
-    return (h, cos, sin, *model.layers[0].pre_attention(h, cos, sin))
-
-
-def _middle_segment(layer: LlamaDecoderLayer, following: LlamaDecoderLayer, h: torch.Tensor,
-                    attn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-                    ) -> tuple[torch.Tensor, ...]:
-    """From one layer's attention output to the next layer's ``(h, q, k, v)``."""
-    h = layer.post_attention(h, attn)
-    return (h, *following.pre_attention(h, cos, sin))
-
-
-def _last_segment(layer: LlamaDecoderLayer, norm: RMSNorm, h: torch.Tensor,
-                  attn: torch.Tensor) -> torch.Tensor:
-    """The last layer after attention, then the final norm."""
-    return norm(layer.post_attention(h, attn))
+        """``h: [T, hidden]`` -> ``[T, hidden]`` (one layer alone; the model's step runs
+        every layer through :mod:`nybble.models.layer_ops` instead)."""
+        ops = LayerOps.of(self)
+        attn = ops.attend(*pre_attention(ops, h, cos, sin), kv_cache, meta)
+        return post_attention(ops, h, attn)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -185,32 +137,38 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if self.tie_word_embeddings else nn.Parameter(
             torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device),
             requires_grad=False)
-        self.segments: tuple[Segment, Segment, Segment] = (
-            _first_segment, _middle_segment, _last_segment)
+        self.segments: Segments = EAGER_SEGMENTS
+        self._ops: ModelOps | None = None
+
+    def ops(self) -> ModelOps:
+        """The model as plain callables (:class:`ModelOps`), built on first use: after the
+        weights are loaded, which copies into the same parameter tensors.
+
+        NOTE: the ops hold the parameter tensors; ``.to()``/``.half()`` (``_apply``) drop
+        them, and so must any code that assigns new parameter tensors to a submodule."""
+        if self._ops is None:
+            self._ops = ModelOps(self.embed_tokens.weight, self.rotary_emb,
+                                 tuple(LayerOps.of(layer) for layer in self.layers),
+                                 as_function(self.norm))
+        return self._ops
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        self._ops = None   # parameters may be new tensors after .to() / .half()
+        return super()._apply(fn, recurse)
 
     def compile_segments(self) -> None:
         """``torch.compile`` (inductor) the dense segments between attentions; attention and
-        the KV-cache writes stay eager (vLLM's piecewise compilation). Each segment is one
-        graph shared by every layer (parameters are graph inputs) with a dynamic token count,
-        so it compiles once per segment, lazily, on its first call."""
+        the KV-cache writes stay eager (vLLM's piecewise compilation). Each segment compiles
+        on its first call, with a dynamic token count."""
         self.segments = tuple(torch.compile(f, dynamic=True)  # type: ignore[assignment]
-                              for f in (_first_segment, _middle_segment, _last_segment))
+                              for f in EAGER_SEGMENTS)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         """``input_ids, positions: [T]`` (int32 or int64) -> final hidden states
-        ``[T, hidden]``. Runs as segments cut at attention (see :meth:`compile_segments`);
-        the rotary rows are gathered once for every layer."""
-        first, middle, last = self.segments
-        h, cos, sin, q, k, v = first(self, input_ids, positions)
-        layers = self.layers
-        final = len(layers) - 1
-        for i, layer in enumerate(layers):
-            attn = layer.self_attn.attend(q, k, v, kv_caches[i], meta)
-            if i == final:
-                return last(layer, self.norm, h, attn)
-            h, q, k, v = middle(layer, layers[i + 1], h, attn, cos, sin)
-        raise AssertionError("unreachable: a model has at least one layer")
+        ``[T, hidden]``; writes the step's K/V into ``kv_caches`` (see
+        :func:`nybble.models.layer_ops.run_step`)."""
+        return run_step(self.ops(), self.segments, input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden: [S, hidden]`` -> logits ``[S, vocab]`` (tied to the embeddings if so)."""
