@@ -33,8 +33,8 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [_HERE, os.path.dirname(_HERE)]   # benchmarks/ and the repo root, as a script
 import numpy as np
 import torch
-
 from _report import print_table, write_json
+
 from nybble import SamplingParams
 from nybble.config import DEFAULT_MODEL
 from nybble.kernels.reference_attention import plan_attention

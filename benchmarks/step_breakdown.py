@@ -37,8 +37,8 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [_HERE, os.path.dirname(_HERE)]   # benchmarks/ and the repo root, as a script
 import numpy as np
 import torch
-
 from _report import print_table, write_json
+
 from nybble import SamplingParams
 from nybble.config import DEFAULT_MODEL
 from nybble.runtime import model_runner as model_runner_module

@@ -217,6 +217,9 @@ class EngineCore:
 
     def _note_live_tokens(self) -> None:
         """Tokens whose K/V the last step's sequences still hold (finished ones freed theirs)."""
+        if not self._last_finished:
+            self._live_tokens = int(self._last_lens.sum())
+            return
         still_running = ~np.isin(self._last_ids, self._last_finished)
         self._live_tokens = int(self._last_lens[still_running].sum())
 

@@ -76,8 +76,9 @@ class ModelRunner:
         sc, cc = config.scheduler_config, config.compilation_config
         self.inputs = StepInputs(device, sc.max_num_batched_tokens, sc.max_num_seqs,
                                  -(-loaded.max_model_len // spec.block_size))
-        self._arange = np.arange(max(sc.max_num_batched_tokens, sc.max_num_seqs),
-                                 dtype=np.int32)
+        # The bytes of arange(max rows) as int32: a decode step's sample_rows are a prefix.
+        self._arange_bytes = np.arange(max(sc.max_num_batched_tokens, sc.max_num_seqs),
+                                       dtype=np.int32).tobytes()
         if cc.compilation_level == 3:
             self.model.compile_segments()
         self.graphs: DecodeGraphs | None = None
@@ -120,7 +121,9 @@ class ModelRunner:
         """The rows ``batch.sample_rows`` of ``hidden``; no gather when they are every row
         in order (a decode step)."""
         rows = batch.sample_rows
-        if np.array_equal(rows, self._arange[:hidden.shape[0]]):
+        num = rows.shape[0]
+        if num == hidden.shape[0] and \
+                rows.astype(np.int32, copy=False).tobytes() == self._arange_bytes[:4 * num]:
             return hidden
         return hidden.index_select(0, self.inputs.put("sample_rows", rows.astype(np.int64)))
 

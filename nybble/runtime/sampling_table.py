@@ -45,6 +45,7 @@ class SamplingTable:
         self._num_seeded = 0
         self._num_random = 0                         # rows with temperature > 0
         self._num_logprobs = 0                       # rows that ask for logprobs
+        self._greedy_batches: dict[int, SamplingBatch] = {}
         self._dirty: set[int] = set()
         self._host: dict[str, np.ndarray] = {}
         self._dev: dict[str, torch.Tensor] = {}
@@ -145,11 +146,16 @@ class SamplingTable:
         self._dirty.clear()
 
     def _greedy(self, max_logprobs: int) -> SamplingBatch:
-        """A batch whose rows are all greedy: only ``max_logprobs`` is read."""
-        empty = torch.zeros(0, device=self.device)
-        index = torch.zeros(0, dtype=torch.int64, device=self.device)
-        return SamplingBatch(empty, empty, index, empty, [], max_logprobs, index,
-                             all_greedy=True, use_top_k_top_p=False, use_min_p=False)
+        """A batch whose rows are all greedy: only ``max_logprobs`` is read (one cached
+        object per value)."""
+        batch = self._greedy_batches.get(max_logprobs)
+        if batch is None:
+            empty = torch.zeros(0, device=self.device)
+            index = torch.zeros(0, dtype=torch.int64, device=self.device)
+            batch = self._greedy_batches[max_logprobs] = SamplingBatch(
+                empty, empty, index, empty, [], max_logprobs, index, all_greedy=True,
+                use_top_k_top_p=False, use_min_p=False)
+        return batch
 
     def batch(self, seq_ids: np.ndarray) -> SamplingBatch:
         """The :class:`SamplingBatch` of the rows of ``seq_ids`` (one per sampled token, in

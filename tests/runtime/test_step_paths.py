@@ -81,7 +81,7 @@ def test_compiled_segments_match_eager() -> None:
 def test_cuda_graphs_match_eager() -> None:
     """Decode steps replayed from CUDA graphs generate the eager tokens; a batch larger than
     the largest bucket runs eagerly."""
-    common = dict(device="cuda", dtype="float32", max_num_seqs=4)
+    common = {"device": "cuda", "dtype": "float32", "max_num_seqs": 4}
     eager = LLM(DEFAULT_MODEL, enforce_eager=True, **common)
     graphs = LLM(DEFAULT_MODEL, **common)
     small = LLM(DEFAULT_MODEL, cuda_graph_sizes=(1, 2), **common)
