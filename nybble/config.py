@@ -19,7 +19,7 @@ DEFAULT_MODEL = os.path.join(os.path.dirname(__file__), "_bundled", "stories260k
 """Path of the bundled real model (Karpathy's stories260K in Hugging Face Llama format)."""
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
-_ATTN_BACKENDS = ("auto", "torch", "triton")
+_ATTN_BACKENDS = ("auto", "cpu", "torch", "triton")
 _QUANT = (None, "awq", "gptq", "compressed-tensors")
 
 
@@ -203,7 +203,9 @@ class EngineConfig:
 
     Attributes:
         model_config, cache_config, scheduler_config, compilation_config: the parts.
-        attention_backend: ``auto`` (Triton on CUDA, torch on CPU), ``torch`` or ``triton``.
+        attention_backend: ``auto`` (Triton on CUDA, ``cpu`` on the CPU), ``cpu`` (the Cython
+            paged decode kernel, torch for prefill), ``torch`` (the pure-torch reference) or
+            ``triton``.
         disable_log_stats: do not log the periodic stats line.
         threads: torch intra-op threads of the process that runs the model; ``None``: the
             default of :func:`nybble.threads.resolve_threads`.

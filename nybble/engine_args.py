@@ -72,8 +72,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
                         action="store_false",
                         help="admit a prompt only when it fits the step's token budget whole")
     parser.add_argument("--attention-backend", default="auto",
-                        choices=["auto", "torch", "triton"],
-                        help="attention kernels (auto: triton on CUDA, torch on CPU)")
+                        choices=["auto", "cpu", "torch", "triton"],
+                        help="attention kernels (auto: triton on CUDA, cpu on the CPU: the "
+                             "Cython decode kernel; torch: the pure-torch reference)")
     parser.add_argument("--compilation-level", "-O", type=int, default=0, choices=[0, 3],
                         help="0: eager PyTorch; 3: torch.compile the dense segments between "
                              "attentions (compiles on first use: tens of seconds on a CPU)")

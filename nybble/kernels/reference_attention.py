@@ -32,13 +32,18 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Te
         kv_cache: ``[2, NB, BS, Hkv, D]``, written in place.
         slot_mapping: ``[T]`` int64 flat slot per token; ``-1`` entries are skipped.
     """
+    write_slots(key, value, kv_cache, slot_mapping, write_rows(slot_mapping))
+
+
+def write_rows(slot_mapping: torch.Tensor) -> torch.Tensor | None:
+    """``[W]`` int64 rows whose slot is ``>= 0``, or ``None`` when every row's is (one host
+    sync: done once per step)."""
     valid = slot_mapping >= 0
-    _write_slots(key, value, kv_cache, slot_mapping,
-                 None if bool(valid.all()) else valid.nonzero().flatten())
+    return None if bool(valid.all()) else valid.nonzero().flatten()
 
 
-def _write_slots(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor, rows: torch.Tensor | None) -> None:
+def write_slots(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                slot_mapping: torch.Tensor, rows: torch.Tensor | None) -> None:
     """Write tokens ``rows`` (all when None) of ``key``/``value`` to their slots."""
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
@@ -184,18 +189,17 @@ def _plan_prefill(meta: AttentionMetadata, group: torch.Tensor | None, q_lens: t
 def plan_attention(meta: AttentionMetadata, kv_cache: torch.Tensor) -> AttentionPlan:
     """Derive the step's :class:`AttentionPlan` from ``meta`` (for a cache shaped like
     ``kv_cache``); one host sync (are all slots written?), one more for a mixed batch."""
-    valid = meta.slot_mapping >= 0
-    write_rows = None if bool(valid.all()) else valid.nonzero().flatten()
+    rows = write_rows(meta.slot_mapping)
     if meta.is_decode_only or meta.max_query_len == 1:
-        return AttentionPlan(_plan_decode(meta, None, kv_cache), None, write_rows)
+        return AttentionPlan(_plan_decode(meta, None, kv_cache), None, rows)
     qsl = meta.query_start_loc.long()
     q_lens = qsl[1:] - qsl[:-1]
     is_decode = q_lens == 1
     if not bool(is_decode.any()):
-        return AttentionPlan(None, _plan_prefill(meta, None, q_lens, kv_cache), write_rows)
+        return AttentionPlan(None, _plan_prefill(meta, None, q_lens, kv_cache), rows)
     return AttentionPlan(_plan_decode(meta, is_decode.nonzero().flatten(), kv_cache),
                          _plan_prefill(meta, (~is_decode).nonzero().flatten(), q_lens, kv_cache),
-                         write_rows)
+                         rows)
 
 
 def _group_query(query: torch.Tensor, kv_cache: torch.Tensor, tokens: torch.Tensor | None
@@ -289,7 +293,7 @@ class TorchAttentionBackend:
         plan = meta.plan
         if not isinstance(plan, AttentionPlan):
             plan = meta.plan = plan_attention(meta, kv_cache)
-        _write_slots(key, value, kv_cache, meta.slot_mapping, plan.write_rows)
+        write_slots(key, value, kv_cache, meta.slot_mapping, plan.write_rows)
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
