@@ -15,7 +15,9 @@ real code path, by wrapping the phase functions on the instance (nothing else ch
 * ``step``: the whole ``LLMEngine.step``.
 
 All times are microseconds per step, the median over ``--steps`` decode steps after the
-prompts are in the cache (on CUDA each phase ends with a device sync). A second, shorter pass under ``torch.profiler`` counts the aten ops
+prompts are in the cache (on CUDA each phase ends with a device sync), of elapsed time or, with
+``--clock cpu``, of the process's CPU time (on a busy shared machine, time spent waiting for a
+core inflates the first and not the second). A second, shorter pass under ``torch.profiler`` counts the aten ops
 one step dispatches (``ops``). Run with one torch thread::
 
     OMP_NUM_THREADS=1 python benchmarks/step_breakdown.py [--label after] [--steps 200]
@@ -52,19 +54,20 @@ class _Timer:
     """Accumulates the seconds spent in wrapped callables during one step, by phase; on CUDA
     each phase ends with a device sync, so its kernels count in it."""
 
-    def __init__(self, sync: Callable[[], None] | None) -> None:
+    def __init__(self, sync: Callable[[], None] | None, clock: Callable[[], float]) -> None:
         self.spent: dict[str, float] = defaultdict(float)
         self.sync = sync
+        self.clock = clock
 
     def wrap(self, phase: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
+            start = self.clock()
             try:
                 return fn(*args, **kwargs)
             finally:
                 if self.sync is not None:
                     self.sync()
-                self.spent[phase] += time.perf_counter() - start
+                self.spent[phase] += self.clock() - start
         return timed
 
 
@@ -80,11 +83,15 @@ class _SchedulerProxy:
         return getattr(self._inner, name)
 
 
-def instrument(engine: LLMEngine) -> tuple[_Timer, Callable[[], None]]:
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def instrument(engine: LLMEngine, clock: Callable[[], float]
+               ) -> tuple[_Timer, Callable[[], None]]:
     """Wrap the phase functions of ``engine`` (instance attributes only); returns the timer
     and a function that undoes the wrapping."""
     core = engine.engine_core
-    timer = _Timer(torch.cuda.synchronize if core.device.type == "cuda" else None)
+    timer = _Timer(torch.cuda.synchronize if core.device.type == "cuda" else None, clock)
     runner, model = core.runner, core.runner.model
     original_sample = model_runner_module.sample
     core.scheduler = _SchedulerProxy(core.scheduler, timer)
@@ -127,20 +134,21 @@ def _start(engine: LLMEngine, num_seqs: int, prompt_len: int, max_tokens: int,
     engine.step()   # the first decode step of the last admitted prompts
 
 
-def measure(engine: LLMEngine, num_seqs: int, steps: int, prompt_len: int) -> dict[str, Any]:
+def measure(engine: LLMEngine, num_seqs: int, steps: int, prompt_len: int,
+            clock: Callable[[], float] = time.perf_counter) -> dict[str, Any]:
     """Median microseconds per phase over ``steps`` decode steps of ``num_seqs`` sequences."""
     _start(engine, num_seqs, prompt_len, steps + 16, seed=num_seqs)
     assert engine.scheduler.num_running == num_seqs, "every sequence must be decoding"
     for _ in range(WARMUP_STEPS):   # compiled segments / graphs see this shape once first
         engine.step()
-    timer, undo = instrument(engine)
+    timer, undo = instrument(engine, clock)
     rows: list[dict[str, float]] = []
     try:
         for _ in range(steps):
             timer.spent.clear()
-            start = time.perf_counter()
+            start = clock()
             engine.step()
-            rows.append(_phases(timer.spent, time.perf_counter() - start))
+            rows.append(_phases(timer.spent, clock() - start))
     finally:
         undo()
     ops = count_ops(engine, 3)
@@ -176,6 +184,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200, help="timed decode steps per size")
     ap.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per sequence")
     ap.add_argument("--label", default="", help="suffix of the JSON file name")
+    ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                    help="wall: elapsed time; cpu: this process's CPU time (what a busy shared "
+                         "machine's waiting for a core does not inflate)")
     ap.add_argument("--engine-args", default="",
                     help="extra engine kwargs, e.g. 'compilation_level=0,max_model_len=512'")
     ap.add_argument("--output", default=None)
@@ -188,14 +199,15 @@ def main() -> None:
         extra[key] = int(value) if value.lstrip("-").isdigit() else value
     engine = LLMEngine.from_engine_args(args.model, max_num_seqs=max(sizes),
                                         disable_log_stats=True, **extra)
-    rows = [measure(engine, n, args.steps, args.prompt_len) for n in sizes]
+    rows = [measure(engine, n, args.steps, args.prompt_len, CLOCKS[args.clock]) for n in sizes]
     title = (f"decode step breakdown, {os.path.basename(os.path.normpath(args.model))}, "
-             f"median us/step over {args.steps} steps, torch threads "
+             f"median {args.clock} us/step over {args.steps} steps, torch threads "
              f"{torch.get_num_threads()}, load {os.getloadavg()[0]:.2f}")
     print_table(rows, title)
     suffix = f"-{args.label}" if args.label else ""
     out = args.output or os.path.join(_HERE, "results", f"step_breakdown{suffix}.json")
     write_json(out, {"model": args.model, "steps": args.steps, "prompt_len": args.prompt_len,
+                     "clock": args.clock,
                      "engine_args": extra, "load_avg_1m": os.getloadavg()[0], "rows": rows})
     print(f"wrote {out}")
 

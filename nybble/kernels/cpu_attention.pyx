@@ -69,71 +69,102 @@ def paged_decode_attention(const float[:, :, :] query,
                          f"got {scratch.shape[0]}")
     if batch == 0:
         return
-    cdef float* scores = &scratch[0]                            # [Hq, L]
-    cdef float* acc = &scratch[num_heads * longest]             # [Hq, D]
-    cdef float* denom = &scratch[num_heads * (longest + head_dim)]   # [Hq]
+    cdef float* work = &scratch[0]
     cdef const float* keys = &kv_cache[0, 0, 0, 0, 0]
     cdef const float* values = &kv_cache[1, 0, 0, 0, 0]
     cdef const float* queries = &query[0, 0, 0]
     cdef Py_ssize_t q_seq = query.strides[0] // sizeof(float)
     cdef Py_ssize_t q_head = query.strides[1] // sizeof(float)
+    cdef const int32_t* table
+    with nogil:
+        for b in range(batch):
+            table = &block_tables[b, 0]
+            # NOTE: constant head dims let the compiler specialise (unroll, vectorise) the
+            # inner loops of its copy of _one_sequence.
+            if head_dim == 8:
+                _one_sequence(queries + b * q_seq, q_head, keys, values, table, seq_lens[b],
+                              block_size, num_heads, num_kv_heads, 8, scale, &out[b, 0, 0],
+                              work)
+            elif head_dim == 64:
+                _one_sequence(queries + b * q_seq, q_head, keys, values, table, seq_lens[b],
+                              block_size, num_heads, num_kv_heads, 64, scale, &out[b, 0, 0],
+                              work)
+            elif head_dim == 128:
+                _one_sequence(queries + b * q_seq, q_head, keys, values, table, seq_lens[b],
+                              block_size, num_heads, num_kv_heads, 128, scale, &out[b, 0, 0],
+                              work)
+            else:
+                _one_sequence(queries + b * q_seq, q_head, keys, values, table, seq_lens[b],
+                              block_size, num_heads, num_kv_heads, head_dim, scale,
+                              &out[b, 0, 0], work)
+
+
+cdef inline void _one_sequence(const float* query, Py_ssize_t q_head, const float* keys,
+                               const float* values, const int32_t* table, Py_ssize_t length,
+                               Py_ssize_t block_size, Py_ssize_t num_heads,
+                               Py_ssize_t num_kv_heads, Py_ssize_t head_dim, float scale,
+                               float* out, float* work) noexcept nogil:
+    """One sequence: ``out [Hq, D]`` (C-contiguous) from ``query`` (head ``h`` at
+    ``query + h * q_head``) over its ``length`` cached positions; ``work`` holds
+    ``Hq * (length + D + 1)`` floats."""
+    cdef Py_ssize_t group = num_heads // num_kv_heads
     cdef Py_ssize_t slot_stride = num_kv_heads * head_dim     # floats between two positions
     cdef Py_ssize_t block_stride = block_size * slot_stride
-    cdef Py_ssize_t h, t, d, j, i, n, length, offset
+    cdef float* scores = work                                 # [Hq, L]
+    cdef float* acc = work + num_heads * length               # [Hq, D]
+    cdef float* denom = acc + num_heads * head_dim            # [Hq]
+    cdef Py_ssize_t h, t, d, j, i, n, offset
     cdef const float* q
     cdef const float* k
     cdef const float* v
     cdef float* row
     cdef float* a
     cdef float s, mx, total, p
-    with nogil:
-        for b in range(batch):
-            length = seq_lens[b]
-            # pass 1: every query head against every key; a position's [Hkv, D] keys are
-            # contiguous, so each is read once
-            t = 0
-            for j in range((length + block_size - 1) // block_size):
-                offset = block_tables[b, j] * block_stride
-                n = min(block_size, length - t)
-                for i in range(n):
-                    k = keys + offset + i * slot_stride
-                    for h in range(num_heads):
-                        q = queries + b * q_seq + h * q_head
-                        v = k + (h // group) * head_dim
-                        s = 0.0
-                        for d in range(head_dim):
-                            s = s + q[d] * v[d]
-                        scores[h * length + t + i] = s * scale
-                t = t + n
-            # pass 2: softmax numerators and their sums, per query head
+    # pass 1: every query head against every key; a position's [Hkv, D] keys are contiguous,
+    # so each is read once
+    t = 0
+    for j in range((length + block_size - 1) // block_size):
+        offset = table[j] * block_stride
+        n = min(block_size, length - t)
+        for i in range(n):
+            k = keys + offset + i * slot_stride
             for h in range(num_heads):
-                row = scores + h * length
-                mx = -INFINITY
-                for t in range(length):
-                    if row[t] > mx:
-                        mx = row[t]
-                total = 0.0
-                for t in range(length):
-                    p = expf(row[t] - mx)
-                    row[t] = p
-                    total = total + p
-                denom[h] = total
+                q = query + h * q_head
+                v = k + (h // group) * head_dim
+                s = 0.0
                 for d in range(head_dim):
-                    acc[h * head_dim + d] = 0.0
-            # pass 3: probability-weighted values, position by position
-            t = 0
-            for j in range((length + block_size - 1) // block_size):
-                offset = block_tables[b, j] * block_stride
-                n = min(block_size, length - t)
-                for i in range(n):
-                    v = values + offset + i * slot_stride
-                    for h in range(num_heads):
-                        p = scores[h * length + t + i]
-                        a = acc + h * head_dim
-                        k = v + (h // group) * head_dim
-                        for d in range(head_dim):
-                            a[d] = a[d] + p * k[d]
-                t = t + n
+                    s = s + q[d] * v[d]
+                scores[h * length + t + i] = s * scale
+        t = t + n
+    # pass 2: softmax numerators and their sums, per query head
+    for h in range(num_heads):
+        row = scores + h * length
+        mx = -INFINITY
+        for t in range(length):
+            if row[t] > mx:
+                mx = row[t]
+        total = 0.0
+        for t in range(length):
+            p = expf(row[t] - mx)
+            row[t] = p
+            total = total + p
+        denom[h] = total
+        for d in range(head_dim):
+            acc[h * head_dim + d] = 0.0
+    # pass 3: probability-weighted values, position by position
+    t = 0
+    for j in range((length + block_size - 1) // block_size):
+        offset = table[j] * block_stride
+        n = min(block_size, length - t)
+        for i in range(n):
+            v = values + offset + i * slot_stride
             for h in range(num_heads):
+                p = scores[h * length + t + i]
+                a = acc + h * head_dim
+                k = v + (h // group) * head_dim
                 for d in range(head_dim):
-                    out[b, h, d] = acc[h * head_dim + d] / denom[h]
+                    a[d] = a[d] + p * k[d]
+        t = t + n
+    for h in range(num_heads):
+        for d in range(head_dim):
+            out[h * head_dim + d] = acc[h * head_dim + d] / denom[h]
