@@ -55,13 +55,16 @@ class _OnlyChosen:
         if name != self._chosen:
             return _Parser(prog=name, add_help=False)  # NOTE: not reachable from the command line
         parser = self._sub.add_parser(name, **kwargs)
-        # NOTE: also after the subcommand; SUPPRESS keeps the value given before it
-        _add_log_level(parser, default=argparse.SUPPRESS)
+        # NOTE: the global flags also after the subcommand; SUPPRESS keeps a value given
+        # before it
+        _add_global_flags(parser, log_level_default=argparse.SUPPRESS)
         return parser
 
 
-def _add_log_level(parser: argparse.ArgumentParser, default: str) -> None:
-    parser.add_argument("--log-level", default=default,
+def _add_global_flags(parser: argparse.ArgumentParser, log_level_default: str) -> None:
+    """``--version`` and ``--log-level``: accepted before and after the subcommand."""
+    parser.add_argument("--version", action="version", version=f"nybble {__version__}")
+    parser.add_argument("--log-level", default=log_level_default,
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                         help="logging level (default: INFO)")
 
@@ -77,8 +80,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     parser = _Parser(
         prog="nybble",
         description="nybble: quantization-first LLM inference and serving engine.")
-    parser.add_argument("--version", action="version", version=f"nybble {__version__}")
-    _add_log_level(parser, default="INFO")
+    _add_global_flags(parser, log_level_default="INFO")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     chosen = None if argv is None else chosen_subcommand(argv)

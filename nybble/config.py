@@ -9,7 +9,9 @@ values derived at start-up live elsewhere: the number of KV blocks in
 """
 from __future__ import annotations
 
+import json
 import os
+import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -55,6 +57,77 @@ def check_model_dir(model_dir: str) -> None:
         f"model must be a local Hugging Face model folder (config.json, *.safetensors, "
         f"tokenizer files), got {model_dir!r}, which {what}; nybble does not download "
         f"from model hubs")
+
+
+WEIGHTS_INDEX = "model.safetensors.index.json"
+"""The index of a sharded checkpoint (``weight_map``: tensor name -> shard file)."""
+_SHARD = re.compile(r"model-(\d+)-of-(\d+)\.safetensors")
+_AUTOGPTQ = re.compile(r"gptq_model-\d+bit--?\d+g\.safetensors")  # group size -1 too
+
+
+def model_weight_files(model_dir: str) -> list[str]:
+    """The checkpoint files of a model folder, and no other ``*.safetensors`` in it
+    (reference outputs, adapters): the files of ``model.safetensors.index.json``; else
+    ``model.safetensors``; else every shard ``model-i-of-n.safetensors``; else the file that
+    AutoGPTQ names in ``quantize_config.json`` (``model_file_base_name``) or by default
+    (``gptq_model-4bit-128g.safetensors``, ``gptq_model-4bit--1g.safetensors``).
+
+    Cheap (reads only the index and ``quantize_config.json``).
+
+    Raises:
+        UnsupportedModelError: no weight file, only pickle checkpoints (``*.bin``, ``*.pt``:
+            they can run code when loaded), an index naming a file outside the folder or a
+            missing file, or an incomplete set of shards.
+    """
+    index = os.path.join(model_dir, WEIGHTS_INDEX)
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            names = sorted(set(json.load(f).get("weight_map", {}).values()))
+        for name in names:
+            norm = os.path.normpath(name) if isinstance(name, str) else ".."
+            if os.path.isabs(norm) or norm == ".." or norm.startswith(".." + os.sep):
+                raise UnsupportedModelError(f"{WEIGHTS_INDEX} must name weight files inside "
+                                            f"the model folder {model_dir!r}, got {name!r}")
+        return _existing(model_dir, names, WEIGHTS_INDEX)
+    files = os.listdir(model_dir)
+    if "model.safetensors" in files:
+        return [os.path.join(model_dir, "model.safetensors")]
+    shards = sorted(f for f in files if _SHARD.fullmatch(f))
+    if shards:
+        total = int(_SHARD.fullmatch(shards[0]).group(2))  # type: ignore[union-attr]
+        want = [f"model-{i:05d}-of-{total:05d}.safetensors" for i in range(1, total + 1)]
+        return _existing(model_dir, want, f"the shard names ({shards[0]})")
+    base = _read_json(os.path.join(model_dir, "quantize_config.json")).get(
+        "model_file_base_name")
+    named = [f"{base}.safetensors"] if isinstance(base, str) and base else []
+    autogptq = named or [f for f in sorted(files) if _AUTOGPTQ.fullmatch(f)][:1]
+    if autogptq:
+        return _existing(model_dir, autogptq, "quantize_config.json")
+    pickles = [f for f in files if f.endswith((".bin", ".pt", ".pth"))]
+    others = sorted(f for f in files if f.endswith(".safetensors"))
+    what = ("only pickle checkpoints (refused: they can run code)" if pickles else
+            f"only {others} (not weight files)" if others else "no weight files")
+    raise UnsupportedModelError(f"model folder must contain model.safetensors, "
+                                f"model-*-of-*.safetensors shards or {WEIGHTS_INDEX}, found "
+                                f"{what} in {model_dir}")
+
+
+def _existing(model_dir: str, names: list[str], source: str) -> list[str]:
+    paths = [os.path.join(model_dir, n) for n in names]
+    missing = [n for n, p in zip(names, paths) if not os.path.isfile(p)]
+    if missing:
+        raise UnsupportedModelError(f"the weight files named by {source} must exist in "
+                                    f"{model_dir}, missing {missing[:3]}")
+    return paths
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 @dataclass(frozen=True)

@@ -34,3 +34,19 @@ class UnsupportedModelError(NybbleError, ValueError):
 
 class KVCacheExhaustedError(InvalidRequestError):
     """A single request needs more KV blocks than the whole pool holds."""
+
+
+class EngineStepError(NybbleError):
+    """An engine step raised; the requests of its batch were failed and rolled back.
+
+    The engine core aborted those requests (their sequences finished, KV blocks freed,
+    sampling rows dropped) before raising, so the engine keeps serving the others.
+
+    Args:
+        request_ids: the requests that were in the failed step's batch.
+        message: one line saying what failed.
+    """
+
+    def __init__(self, request_ids: list[str], message: str) -> None:
+        super().__init__(message)
+        self.request_ids = request_ids

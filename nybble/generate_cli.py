@@ -28,6 +28,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """Generate and print; returns the exit code (invalid input raises, and ``nybble``
     turns that into one error line and exit code 2)."""
+    engine_config_from_args(args).model_config.check_folders()  # NOTE: before torch: fast
     from nybble.runtime.torch_threads import setup_threads
 
     args.threads = setup_threads(args.threads)  # NOTE: before torch is imported (next line)

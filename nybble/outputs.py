@@ -64,3 +64,33 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_new_tokens: int = 0
+
+    def add(self, later: RequestOutput) -> None:
+        """Append a later DELTA output of the same request (vLLM's ``RequestOutput.add``).
+
+        A delta output (the server's engine sends them) holds, per sample that changed, only
+        what is new since the previous one: text, token ids and logprobs to append, and the
+        finish reason once set. Merging two deltas gives the delta of both steps; merging
+        every delta of a request into the first gives the whole result. ``later``'s lists
+        are taken over, not copied.
+        """
+        mine = {o.index: o for o in self.outputs}
+        for o in later.outputs:
+            into = mine.get(o.index)
+            if into is None:
+                self.outputs.append(o)
+                mine[o.index] = o
+                continue
+            into.text += o.text
+            into.token_ids.extend(o.token_ids)
+            if o.logprobs is not None:
+                if into.logprobs is None:
+                    into.logprobs = o.logprobs
+                else:
+                    into.logprobs.extend(o.logprobs)
+            into.finish_reason = o.finish_reason or into.finish_reason
+            into.stop_reason = o.stop_reason if o.stop_reason is not None else into.stop_reason
+        self.outputs.sort(key=lambda o: o.index)
+        self.finished = later.finished
+        self.metrics = later.metrics or self.metrics
+        self.num_new_tokens += later.num_new_tokens

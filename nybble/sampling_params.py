@@ -9,18 +9,26 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 SAMPLE_SEED_STRIDE = 1_000_003
-"""Sample ``i`` of a request with ``seed`` draws from a generator seeded ``seed + i * stride``."""
+"""Sample ``i`` of a request with ``seed`` draws from a generator seeded
+``(seed + i * stride) mod 2**64``."""
 
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
-"""The seeds a ``torch.Generator`` accepts (a signed or an unsigned 64-bit integer)."""
+"""The seeds a request may carry: a signed or an unsigned 64-bit integer (what a
+``torch.Generator`` accepts; a negative seed ``s`` is the same generator as ``s + 2**64``).
+``-1`` is not a seed: it means "no seed" (vLLM's convention)."""
+
+NO_SEED = -1
+"""The ``seed`` value that means "no seed" (as if ``seed`` were ``None``)."""
 
 
 def sample_seed(seed: int, index: int) -> int:
-    """The generator seed of sample ``index`` of a request seeded ``seed``.
+    """The generator seed of sample ``index`` of a request seeded ``seed``: in
+    ``[0, 2**64)`` for every seed in ``[SEED_MIN, SEED_MAX]`` and every index (it wraps
+    around instead of overflowing; sample 0's generator is the one ``seed`` itself gives).
 
     NOTE: each sample gets its own stream, so the ``n`` samples of one request differ.
     """
-    return seed + index * SAMPLE_SEED_STRIDE
+    return (seed + index * SAMPLE_SEED_STRIDE) % (1 << 64)
 
 
 @dataclass
@@ -37,9 +45,13 @@ class SamplingParams:
         top_p: nucleus mass in ``(0, 1]``.
         top_k: keep the ``k`` most likely tokens; ``-1`` (or ``0``) disables; else ``>= 1``.
         min_p: drop tokens whose probability is below ``min_p * max_prob``; ``[0, 1]``.
-        seed: per-request seed: the same seed gives the same tokens whatever else is batched.
-            A 64-bit integer (see :data:`SEED_MIN`, :data:`SEED_MAX`; the seeds of samples
-            ``1..n-1``, :func:`sample_seed`, must stay in that range too).
+        seed: per-request seed for reproducible sampling: an integer in
+            ``[-2**63, 2**64 - 1]`` (:data:`SEED_MIN`, :data:`SEED_MAX`), or ``None``; ``-1``
+            means no seed. Sample ``i`` of ``n`` draws from its own generator
+            (:func:`sample_seed`), so the random draws do not depend on what else is
+            batched. The probabilities they pick from can, in the last bits: see
+            docs/serving.md ("Seeds and batching") for when the same seed can give a
+            different continuation.
         max_tokens: maximum number of generated tokens, ``>= 1``; ``None``: the rest of the
             context (``max_model_len`` minus the prompt). Prompt + ``max_tokens`` must fit
             in ``max_model_len``.
@@ -75,6 +87,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == 0:
             self.top_k = -1
+        if type(self.seed) is int and self.seed == NO_SEED:
+            self.seed = None
 
     @property
     def greedy(self) -> bool:

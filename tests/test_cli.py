@@ -1,5 +1,7 @@
 """The ``nybble`` command imports only the chosen subcommand's module, lists every subcommand
-without importing any, and takes ``--log-level`` before or after the subcommand."""
+without importing any, takes its global flags (``--log-level``, ``--version``) before or after
+the subcommand and a subcommand's flags before or after its positional arguments, and answers
+a bad model path in well under a second, before any heavy import."""
 from __future__ import annotations
 
 import subprocess
@@ -52,7 +54,50 @@ def test_log_level_before_or_after_the_subcommand(argv: list[str]) -> None:
     assert build_parser(argv).parse_args(argv).log_level == "DEBUG"
 
 
-def test_version() -> None:
-    proc = subprocess.run([sys.executable, "-m", "nybble", "--version"], capture_output=True,
+@pytest.mark.parametrize("argv", [["--version"], ["serve", "--version"],
+                                  ["generate", "--version"]])
+def test_version_before_or_after_the_subcommand(argv: list[str]) -> None:
+    proc = subprocess.run([sys.executable, "-m", "nybble", *argv], capture_output=True,
                           text=True, check=True, timeout=60)
     assert proc.stdout.strip() == "nybble 0.1.0"
+
+
+@pytest.mark.parametrize(("argv", "field", "value"), [
+    (["generate", "--max-tokens", "3", "hi"], "max_tokens", 3),
+    (["generate", "hi", "--max-tokens", "3"], "max_tokens", 3),
+    (["serve", "--port", "9", "some/model"], "model_tag", "some/model"),
+    (["serve", "some/model", "--port", "9"], "port", 9),
+    (["quantize", "--method", "rtn", "--out", "o", "m"], "model", "m"),
+    (["quantize", "m", "--out", "o", "--method", "rtn"], "method", "rtn"),
+])
+def test_flags_before_or_after_positionals(argv: list[str], field: str, value: object) -> None:
+    assert getattr(build_parser(argv).parse_args(argv), field) == value
+
+
+MISSING = "/nonexistent/model"
+
+
+@pytest.mark.parametrize("argv", [
+    ["generate", "hi", "--model", MISSING],
+    ["serve", MISSING],
+    ["quantize", MISSING, "--method", "rtn", "--out", "/tmp/never-written"],
+    ["eval-ppl", MISSING, "--text", "t.txt"],
+    ["bench", "throughput", "--model", MISSING],
+])
+def test_a_missing_model_answers_before_heavy_imports(argv: list[str]) -> None:
+    code = ("from nybble.cli import main\n"
+            f"assert main({argv!r}) == 2\n")
+    loaded = _modules_after(code)
+    assert not loaded & {"torch", "transformers", "zmq", "tokenizers"}, loaded
+
+
+@pytest.mark.parametrize("sub", [["generate", "hi", "--model"], ["serve"], ["eval-ppl"]])
+def test_a_file_for_a_model_says_it_is_a_file(tmp_path, capsys, sub: list[str]) -> None:
+    from nybble.cli import main
+
+    path = tmp_path / "weights.bin"
+    path.write_bytes(b"x")
+    argv = [*sub, str(path)] + (["--text", "t"] if sub == ["eval-ppl"] else [])
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"got {str(path)!r}, which is a file, expected a folder" in err

@@ -6,6 +6,11 @@ from typing import Any
 
 
 def _throughput(args: argparse.Namespace) -> int:
+    from nybble.bench.models import MODEL_ALIASES
+    from nybble.config import check_model_dir
+
+    if args.model is not None and args.model not in MODEL_ALIASES:
+        check_model_dir(args.model)  # NOTE: a bad path answers before torch is imported
     from nybble.runtime.torch_threads import setup_threads
 
     # NOTE: before torch is imported; --threads (an engine flag) applies to both backends

@@ -79,6 +79,14 @@ def launched_server(model: str, serve_args: tuple[str, ...],
         RuntimeError: the server exited or did not answer ``/v1/models`` within ``timeout_s``;
             the message carries the tail of its log.
     """
+    with launched_server_process(model, serve_args, timeout_s) as (url, _):
+        yield url
+
+
+@contextlib.contextmanager
+def launched_server_process(model: str, serve_args: tuple[str, ...],
+                            timeout_s: float) -> Iterator[tuple[str, int]]:
+    """:func:`launched_server`, yielding ``(base URL, process id of the API process)``."""
     port = free_port()
     cmd = [sys.executable, "-m", "nybble", "serve", "--model", model, "--host", "127.0.0.1",
            "--port", str(port), *serve_args]
@@ -89,7 +97,7 @@ def launched_server(model: str, serve_args: tuple[str, ...],
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
             try:
                 _wait_ready(proc, url, log_path, timeout_s)
-                yield url
+                yield url, proc.pid
             finally:
                 stop_process(proc)
 
@@ -126,11 +134,21 @@ def _tail(path: str, n: int = 2000) -> str:
 
 
 def served_model_name(base_url: str, api_key: str | None) -> str:
-    """The first model id ``/v1/models`` lists."""
+    """The first model id ``/v1/models`` lists.
+
+    Raises:
+        ConnectionError: the server cannot be reached or does not answer with a model list
+            (one line for the user, naming the URL).
+    """
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    resp = httpx.get(base_url.rstrip("/") + "/v1/models", headers=headers, timeout=30.0)
-    resp.raise_for_status()
-    return str(resp.json()["data"][0]["id"])
+    url = base_url.rstrip("/") + "/v1/models"
+    try:
+        resp = httpx.get(url, headers=headers, timeout=30.0)
+        resp.raise_for_status()
+        return str(resp.json()["data"][0]["id"])
+    except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
+        raise ConnectionError(f"cannot use the server at {base_url}: GET {url} failed: "
+                              f"{type(e).__name__}: {e}") from None
 
 
 def _row(rate: float, res: dict[str, Any]) -> dict[str, Any]:
@@ -148,6 +166,8 @@ def run_serve_bench(cfg: ServeBenchConfig) -> dict[str, Any]:
     """Run every rate, print the table (latencies in ms), write JSON; returns the payload."""
     from transformers import AutoTokenizer
 
+    if cfg.base_url is not None:  # NOTE: fail in a second with one line, before the tokenizer
+        served_model_name(cfg.base_url, cfg.api_key)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
     requests = build_requests(cfg.workload, tokenizer, model_vocab_size(cfg.model))
     with contextlib.ExitStack() as stack:

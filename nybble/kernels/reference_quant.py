@@ -6,14 +6,16 @@ dequantized weights bit for bit. All returned weights are in ``nn.Linear`` layou
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from nybble.kernels.packing import AWQ_ORDER, unpack_cols, unpack_rows
 
 
 def _scale_mul(qz: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``qz`` int ``[...]`` times same-shaped scales: fp32 product rounded to ``scales.dtype``
-    (float64 scales stay float64)."""
+    """``qz`` int ``[...]`` times same-shaped (or broadcast) scales: fp32 product rounded to
+    ``scales.dtype`` (float64 scales stay float64)."""
     acc = torch.float64 if scales.dtype == torch.float64 else torch.float32
     return (qz.to(acc) * scales.to(acc)).to(scales.dtype)
 
@@ -22,6 +24,60 @@ def default_g_idx(k: int, group_size: int, device: torch.device | None = None) -
     """``g_idx[k] = k // group_size`` (``group_size == -1``: all zeros), int64 ``[K]``."""
     gs = k if group_size == -1 else group_size
     return torch.arange(k, device=device) // gs
+
+
+@dataclass(frozen=True)
+class IntWeight:
+    """A quantized weight as plain integers, whatever its checkpoint layout:
+    ``W[n, k] = scale[g[k], n] * (q[k, n] - zero[g[k], n])``.
+
+    Attributes:
+        q: int32 ``[K, N]`` in ``[0, 2^bits)`` (may be a transposed view).
+        zero: int32 ``[G, N]`` integer zero points (``2^(bits-1)`` for symmetric grids).
+        g_idx: int64 ``[K]`` group of every input row, or None for contiguous groups
+            (``g[k] = k // group_size``).
+        group_size: the real, positive group width. bits: 4 or 8 (2 for GPTQ).
+    """
+
+    q: torch.Tensor
+    zero: torch.Tensor
+    g_idx: torch.Tensor | None
+    group_size: int
+    bits: int
+
+
+def dequantize_int_weight(iw: IntWeight, scales: torch.Tensor) -> torch.Tensor:
+    """``W [N, K]`` in ``scales.dtype`` from an :class:`IntWeight` and ``scales [G, N]``.
+
+    ``q - zero`` is formed as an integer, multiplied by the scale in float32 (exact for
+    |q - z| < 2^8 and fp16 scales) and rounded once to the scale dtype (§3.5/§4.3).
+
+    Returns:
+        a transposed view of a contiguous ``[K, N]`` tensor, so ``x @ W.t()`` reads it in
+        place.
+    """
+    k, n = iw.q.shape
+    gs = iw.group_size
+    if iw.g_idx is None and k % gs == 0:  # contiguous groups: broadcast, no gather
+        g = k // gs
+        qz = iw.q.reshape(g, gs, n) - iw.zero.reshape(g, 1, n)
+        return _scale_mul(qz, scales.reshape(g, 1, n)).reshape(k, n).t()
+    gi = default_g_idx(k, gs, iw.q.device) if iw.g_idx is None else iw.g_idx
+    return _scale_mul(iw.q - iw.zero[gi], scales[gi]).t()
+
+
+def gptq_int_weight(qweight: torch.Tensor, qzeros: torch.Tensor, g_idx: torch.Tensor | None,
+                    bits: int, group_size: int, zero_offset: int, sym: bool) -> IntWeight:
+    """The integers of a GPTQ weight (§3.2-3.4); arguments as :func:`dequantize_gptq`."""
+    q = unpack_rows(qweight, bits)  # [K, N]
+    n = q.shape[1]
+    if sym:
+        z = torch.full((qzeros.shape[0], n), 1 << (bits - 1), dtype=torch.int32,
+                       device=q.device)
+    else:
+        z = (unpack_cols(qzeros, bits)[:, :n] + zero_offset) & ((1 << bits) - 1)
+    gi = None if g_idx is None else g_idx.to(torch.int64)
+    return IntWeight(q, z, gi, q.shape[0] if group_size == -1 else group_size, bits)
 
 
 def dequantize_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
@@ -41,16 +97,15 @@ def dequantize_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.T
     Returns:
         ``W [N, K]`` in ``scales.dtype``: ``W[n, k] = scales[g, n] * (q[k, n] - z[g, n])``.
     """
-    q = unpack_rows(qweight, bits).to(torch.int64)  # [K, N]
-    k, n = q.shape
-    g = (default_g_idx(k, group_size, q.device) if g_idx is None
-         else g_idx.to(torch.int64))
-    if sym:
-        qz = q - (1 << (bits - 1))
-    else:
-        z = (unpack_cols(qzeros, bits).to(torch.int64)[:, :n] + zero_offset) & ((1 << bits) - 1)
-        qz = q - z[g]
-    return _scale_mul(qz, scales[g]).t().contiguous()
+    return dequantize_int_weight(
+        gptq_int_weight(qweight, qzeros, g_idx, bits, group_size, zero_offset, sym), scales)
+
+
+def awq_int_weight(qweight: torch.Tensor, qzeros: torch.Tensor, group_size: int) -> IntWeight:
+    """The integers of an AWQ GEMM 4-bit weight (§4.2); arguments as :func:`dequantize_awq`."""
+    q = unpack_cols(qweight, 4, AWQ_ORDER)  # [K, N]
+    z = unpack_cols(qzeros, 4, AWQ_ORDER)  # [G, N]
+    return IntWeight(q, z, None, q.shape[0] if group_size == -1 else group_size, 4)
 
 
 def dequantize_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
@@ -65,10 +120,22 @@ def dequantize_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Te
     Returns:
         ``W [N, K]`` in ``scales.dtype``.
     """
-    q = unpack_cols(qweight, 4, AWQ_ORDER).to(torch.int64)  # [K, N]
-    z = unpack_cols(qzeros, 4, AWQ_ORDER).to(torch.int64)  # [G, N]
-    g = default_g_idx(q.shape[0], group_size, q.device)
-    return _scale_mul(q - z[g], scales[g]).t().contiguous()
+    return dequantize_int_weight(awq_int_weight(qweight, qzeros, group_size), scales)
+
+
+def compressed_int_weight(weight_packed: torch.Tensor, weight_zero_point: torch.Tensor | None,
+                          weight_g_idx: torch.Tensor | None, bits: int, group_size: int,
+                          num_groups: int) -> IntWeight:
+    """The integers of a compressed-tensors ``pack-quantized`` weight (§6.2); ``q`` and
+    ``zero`` are transposed views of the ``[N, ...]`` tensors."""
+    u = unpack_cols(weight_packed, bits)  # [N, K]
+    n, k = u.shape
+    if weight_zero_point is None:
+        uz = torch.full((n, num_groups), 1 << (bits - 1), dtype=torch.int32, device=u.device)
+    else:  # unpack along N: rows of the packed tensor hold pf output channels each
+        uz = unpack_rows(weight_zero_point, bits)[:n]
+    gi = None if weight_g_idx is None else weight_g_idx.to(torch.int64)
+    return IntWeight(u.t(), uz.t(), gi, k if group_size == -1 else group_size, bits)
 
 
 def dequantize_compressed_tensors(weight_packed: torch.Tensor, weight_scale: torch.Tensor,
@@ -88,15 +155,9 @@ def dequantize_compressed_tensors(weight_packed: torch.Tensor, weight_scale: tor
     Returns:
         ``W [N, K]`` in ``weight_scale.dtype``: ``(u - uz) * scale``.
     """
-    u = unpack_cols(weight_packed, bits).to(torch.int64)  # [N, K]
-    n, k = u.shape
-    g = (default_g_idx(k, group_size, u.device) if weight_g_idx is None
-         else weight_g_idx.to(torch.int64))
-    if weight_zero_point is None:
-        uz = torch.full((1, 1), 1 << (bits - 1), dtype=torch.int64, device=u.device)
-    else:  # unpack along N: rows of the packed tensor hold pf output channels each
-        uz = unpack_rows(weight_zero_point, bits).to(torch.int64)[:n][:, g]
-    return _scale_mul(u - uz, weight_scale[:, g])
+    iw = compressed_int_weight(weight_packed, weight_zero_point, weight_g_idx, bits, group_size,
+                               weight_scale.shape[1])
+    return dequantize_int_weight(iw, weight_scale.t())
 
 
 def dequantize_int8_channel(weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:

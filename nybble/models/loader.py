@@ -1,13 +1,13 @@
 """Load a Hugging Face model folder (safetensors only) into :class:`LlamaForCausalLM`.
 
-Weights stream tensor by tensor from ``model.safetensors``, sharded
-``model-xxxxx-of-yyyyy.safetensors`` + ``model.safetensors.index.json``, or any
-``*.safetensors`` in the folder (AutoGPTQ's ``gptq_model-4bit-128g.safetensors``). Pickle
-checkpoints (``*.bin``, ``*.pt``) are refused: they can run arbitrary code.
+Weights stream tensor by tensor from the checkpoint's files only
+(:func:`nybble.config.model_weight_files`: ``model.safetensors``, sharded
+``model-xxxxx-of-yyyyy.safetensors`` + ``model.safetensors.index.json``, or AutoGPTQ's
+``gptq_model-4bit-128g.safetensors``), never from another ``*.safetensors`` in the folder.
+Pickle checkpoints (``*.bin``, ``*.pt``) are refused: they can run arbitrary code.
 """
 from __future__ import annotations
 
-import glob
 import json
 import logging
 import os
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from nybble.config import ModelConfig, check_model_dir
+from nybble.config import ModelConfig, check_model_dir, model_weight_files
 from nybble.errors import UnsupportedModelError
 from nybble.kernels.interface import AttentionBackend
 from nybble.models.hf_config import HFConfig, load_hf_config
@@ -57,22 +57,6 @@ class LoadedModel:
     quant_description: str
     weight_bytes: int
     linear_weight_bytes: int
-
-
-def _weight_files(model_dir: str) -> list[str]:
-    index = os.path.join(model_dir, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            shards = sorted(set(json.load(f)["weight_map"].values()))
-        return [os.path.join(model_dir, s) for s in shards]
-    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
-    if not files:
-        pickles = glob.glob(os.path.join(model_dir, "*.bin")) + \
-            glob.glob(os.path.join(model_dir, "*.pt"))
-        what = "only pickle checkpoints (refused: unsafe)" if pickles else "no weight files"
-        raise UnsupportedModelError(f"model folder must contain *.safetensors weights, "
-                                    f"found {what} in {model_dir}")
-    return files
 
 
 def resolve_dtype(name: str, hf_config: HFConfig, device: torch.device) -> torch.dtype:
@@ -136,7 +120,7 @@ def load_model(cfg: ModelConfig, backend: AttentionBackend, device: torch.device
                          f"got {max_len}")
     factory = quant.linear_factory if quant is not None else dense_linear_factory
     model = LlamaForCausalLM(hf_config, factory, backend, max_len, dtype, device, bias)
-    _load_weights(model, _weight_files(cfg.model), dtype)
+    _load_weights(model, model_weight_files(cfg.model), dtype)
     model.eval()
     linear_bytes = sum(_module_bytes(m) for n, m in model.named_modules()
                        if n.endswith(("_proj",)))

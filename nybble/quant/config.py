@@ -18,8 +18,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from nybble.config import model_weight_files
 from nybble.errors import UnsupportedModelError
-from nybble.quant.linear import AWQLinear, CompressedPackedLinear, GPTQLinear, Int8W8A8Linear
+from nybble.quant.compressed import CompressedPackedLinear, Int8W8A8Linear
+from nybble.quant.linear import AWQLinear, CpuPathLog, GPTQLinear
 
 logger = logging.getLogger(__name__)
 
@@ -77,13 +79,13 @@ def _checkpoint_keys(model_dir: str) -> dict[str, str] | None:
     """``tensor name -> safetensors dtype`` over the model's weight files (headers only)."""
     from safetensors import safe_open
 
-    files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors")
-                   and not f.startswith("reference_outputs"))
-    if not files:
-        return None
+    try:
+        files = model_weight_files(model_dir)
+    except UnsupportedModelError:
+        return None   # NOTE: the loader reports it
     keys: dict[str, str] = {}
-    for fname in files:
-        with safe_open(os.path.join(model_dir, fname), framework="pt") as f:
+    for path in files:
+        with safe_open(path, framework="pt") as f:
             for k in f.keys():
                 keys[k] = f.get_slice(k).get_dtype()
     return keys
@@ -134,6 +136,7 @@ class QuantConfig:
         lm_head: the checkpoint quantizes ``lm_head`` (GPTQModel ``lm_head: true``).
         quantized_prefixes: modules whose tensors are stored quantized (None: unknown).
         raw: the normalised dict, for logs.
+        path_log: logs each CPU matmul choice of this model's layers once.
     """
 
     method: str
@@ -145,6 +148,7 @@ class QuantConfig:
     lm_head: bool = False
     quantized_prefixes: frozenset[str] | None = None
     raw: dict[str, Any] = field(default_factory=dict)
+    path_log: CpuPathLog = field(default_factory=CpuPathLog, compare=False, repr=False)
 
     def describe(self) -> str:
         """One line for start-up logs."""
@@ -204,12 +208,13 @@ class QuantConfig:
                 f"{32 // p.bits}, got {in_features}")
         if self.method == "gptq":
             return GPTQLinear(in_features, n, bias, dtype, device, p.bits, gs,
-                              1 if self.fmt == "gptq" else 0, p.sym)
+                              1 if self.fmt == "gptq" else 0, p.sym, self.path_log)
         if self.method == "awq":
-            return AWQLinear(in_features, n, bias, dtype, device, gs)
+            return AWQLinear(in_features, n, bias, dtype, device, gs, self.path_log)
         if self.fmt == "pack-quantized":
-            return CompressedPackedLinear(in_features, n, bias, dtype, device, p.bits, gs, p.sym)
-        return Int8W8A8Linear(in_features, n, bias, dtype, device)
+            return CompressedPackedLinear(in_features, n, bias, dtype, device, p.bits, gs, p.sym,
+                                          self.path_log)
+        return Int8W8A8Linear(in_features, n, bias, dtype, device, self.path_log)
 
 
 def _unsupported(what: str, value: object) -> UnsupportedModelError:

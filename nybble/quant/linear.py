@@ -5,25 +5,36 @@ not import them.
 Buffers carry exactly the checkpoint names and shapes (docs/quant-formats.md §3.1, §4.1, §6.2),
 so the loader fuses q/k/v and gate/up by concatenating each tensor along ``output_dims[name]``
 (§5.1). All modules take ``x [..., in]`` and return ``[..., out]`` in ``x.dtype``; the sum of
-their buffer bytes is the real packed weight memory (:func:`weight_bytes`). ``group_size`` is
-always the real, positive group size (the config resolves a per-channel ``-1``).
+their buffer bytes is the checkpoint's packed weight memory (:func:`weight_bytes`).
+``group_size`` is always the real, positive group size (the config resolves a per-channel
+``-1``).
+
+CPU: a module loaded on the CPU also repacks its weight once for torch's weight-only kernels
+(:mod:`nybble.kernels.cpu_weight_only`; about 0.5 extra bytes per INT4 weight, 1 per INT8),
+used for calls of up to ``MAX_ROWS`` tokens (decode); longer calls (prefill), float64 calls
+(the test oracle) and layouts the kernels cannot take use the reference dequantization. Each distinct choice is logged once per
+model (:class:`CpuPathLog`). ``NYBBLE_CPU_WEIGHT_ONLY=0`` turns the repack off.
 """
 from __future__ import annotations
 
+import logging
+import os
 from typing import ClassVar
 
 import torch
 from torch import nn
 
-from nybble.kernels import quant_ops
+from nybble.kernels import cpu_weight_only, quant_ops
 from nybble.kernels.packing import pack_factor
 from nybble.kernels.reference_quant import (
+    IntWeight,
+    awq_int_weight,
     default_g_idx,
-    dequantize_awq,
-    dequantize_compressed_tensors,
-    dequantize_gptq,
-    dequantize_int8_channel,
+    dequantize_int_weight,
+    gptq_int_weight,
 )
+
+logger = logging.getLogger(__name__)
 
 
 def weight_bytes(module: nn.Module) -> int:
@@ -32,19 +43,46 @@ def weight_bytes(module: nn.Module) -> int:
                for t in list(module.parameters()) + list(module.buffers()))
 
 
-class _QuantLinear(nn.Module):
+class CpuPathLog:
+    """Logs each distinct CPU matmul choice of a model's quantized layers once.
+
+    One instance per model: :class:`nybble.quant.config.QuantConfig` owns one and hands it to
+    every module it builds; modules built without one share a process-wide instance.
+    """
+
+    def __init__(self) -> None:
+        self._seen: set[tuple[str, str]] = set()
+
+    def note(self, layer: str, choice: str) -> None:
+        """Log ``"<layer>: CPU matmul <choice>"`` the first time this pair is seen."""
+        if (layer, choice) not in self._seen:
+            self._seen.add((layer, choice))
+            logger.info("%s: CPU matmul %s", layer, choice)
+
+
+_SHARED_LOG = CpuPathLog()
+
+
+def cpu_kernels_enabled() -> bool:
+    """False when ``NYBBLE_CPU_WEIGHT_ONLY=0`` (keep the reference path on CPU)."""
+    return os.environ.get("NYBBLE_CPU_WEIGHT_ONLY", "1") != "0"
+
+
+class QuantLinear(nn.Module):
     """Shared buffer handling; subclasses declare ``output_dims`` and ``_shapes()``."""
 
     output_dims: ClassVar[dict[str, int | None]] = {}
     optional: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, in_features: int, out_features: int, bias: bool,
-                 device: torch.device) -> None:
+                 device: torch.device, path_log: CpuPathLog | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.has_bias = bias
         self.device_ = torch.device(device)
         self.register_buffer("bias", None)
+        self.path_log = path_log or _SHARED_LOG
+        self.cpu_weight: cpu_weight_only.CpuWeight | None = None
 
     def _num_groups(self, group_size: int) -> int:
         """``ceil(in_features / group_size)``.
@@ -88,9 +126,38 @@ class _QuantLinear(nn.Module):
             raise ValueError(f"checkpoint lacks {need} for a {type(self).__name__} "
                              f"[{self.out_features}, {self.in_features}]")
 
+    def int_weight(self) -> IntWeight | None:
+        """The weight's integers (None: not a weight-only integer format)."""
+        return None
+
+    def weight_scales(self) -> torch.Tensor:
+        """Scales ``[G, N]`` matching :meth:`int_weight`."""
+        raise NotImplementedError
+
     def dequantized_weight(self) -> torch.Tensor:
         """``W [out, in]`` as the reference dequantization computes it."""
-        raise NotImplementedError
+        iw = self.int_weight()
+        assert iw is not None
+        return dequantize_int_weight(iw, self.weight_scales())
+
+    def _label(self) -> str:
+        return type(self).__name__
+
+    def _prepare_cpu(self) -> None:
+        """After loading: repack for the CPU kernels when the module lives on the CPU."""
+        self.cpu_weight = None
+        if self.device_.type != "cpu":
+            return
+        iw = self.int_weight()
+        if iw is None:
+            choice = "reference (activations are quantized too; no weight-only kernel)"
+        elif not cpu_kernels_enabled():
+            choice = "reference (NYBBLE_CPU_WEIGHT_ONLY=0)"
+        else:
+            self.cpu_weight, why = cpu_weight_only.prepare(iw, self.weight_scales())
+            choice = (f"{why} up to {cpu_weight_only.MAX_ROWS} tokens, reference beyond"
+                      if self.cpu_weight is not None else f"reference ({why})")
+        self.path_log.note(self._label(), choice)
 
     def _gemm(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -98,10 +165,16 @@ class _QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., in] -> [..., out]`` in ``x.dtype``."""
         lead = x.shape[:-1]
-        return self._gemm(x.reshape(-1, self.in_features)).reshape(*lead, self.out_features)
+        x2 = x.reshape(-1, self.in_features)
+        if (self.cpu_weight is not None and x2.device.type == "cpu"
+                and x2.shape[0] <= cpu_weight_only.MAX_ROWS and x2.dtype != torch.float64):
+            y = cpu_weight_only.linear(x2, self.cpu_weight, self.bias)
+        else:
+            y = self._gemm(x2)
+        return y.reshape(*lead, self.out_features)
 
 
-class GPTQLinear(_QuantLinear):
+class GPTQLinear(QuantLinear):
     """GPTQ (v1 ``gptq`` / ``gptq_v2``) linear: ``qweight [K/pf, N]``, ``qzeros [G, N/pf]``,
     ``scales [G, N]``, ``g_idx [K]`` (§3). ``sym`` uses the fixed zero ``2^(bits-1)``."""
 
@@ -111,8 +184,8 @@ class GPTQLinear(_QuantLinear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
                  device: torch.device, bits: int, group_size: int, zero_offset: int,
-                 sym: bool) -> None:
-        super().__init__(in_features, out_features, bias, device)
+                 sym: bool, path_log: CpuPathLog | None = None) -> None:
+        super().__init__(in_features, out_features, bias, device, path_log)
         self.bits, self.group_size = bits, group_size
         self.zero_offset, self.sym, self.dtype = zero_offset, sym, dtype
         self.pf = pack_factor(bits)
@@ -142,11 +215,18 @@ class GPTQLinear(_QuantLinear):
         self._set("g_idx", trivial if g is None else g, torch.int32)
         self.act_order = not torch.equal(self.g_idx.cpu(), trivial)
         self._load_bias(tensors, self.dtype)
+        self._prepare_cpu()
 
-    def dequantized_weight(self) -> torch.Tensor:
-        return dequantize_gptq(self.qweight, self.qzeros, self.scales,
-                               self.g_idx if self.act_order else None, self.bits,
-                               self.group_size, self.zero_offset, self.sym)
+    def int_weight(self) -> IntWeight:
+        return gptq_int_weight(self.qweight, self.qzeros, self.g_idx if self.act_order else None,
+                               self.bits, self.group_size, self.zero_offset, self.sym)
+
+    def weight_scales(self) -> torch.Tensor:
+        return self.scales
+
+    def _label(self) -> str:
+        return (f"GPTQ {self.bits}-bit {'sym' if self.sym else 'asym'}"
+                f"{' act-order' if self.act_order else ''}")
 
     def _gemm(self, x: torch.Tensor) -> torch.Tensor:
         return quant_ops.gptq_gemm(x, self.qweight, self.qzeros, self.scales,
@@ -154,7 +234,7 @@ class GPTQLinear(_QuantLinear):
                                    self.group_size, self.zero_offset, self.sym, self.bias)
 
 
-class AWQLinear(_QuantLinear):
+class AWQLinear(QuantLinear):
     """AutoAWQ GEMM 4-bit linear: ``qweight [K, N/8]``, ``qzeros [G, N/8]``, ``scales [G, N]``
     (§4)."""
 
@@ -162,8 +242,9 @@ class AWQLinear(_QuantLinear):
                                                    "bias": 0}
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
-                 device: torch.device, group_size: int) -> None:
-        super().__init__(in_features, out_features, bias, device)
+                 device: torch.device, group_size: int,
+                 path_log: CpuPathLog | None = None) -> None:
+        super().__init__(in_features, out_features, bias, device, path_log)
         self.group_size, self.dtype = group_size, dtype
         self.num_groups = self._num_groups(group_size)
         for name, shape in self._shapes().items():
@@ -184,113 +265,17 @@ class AWQLinear(_QuantLinear):
         for name in ("qweight", "qzeros", "scales"):
             self._set(name, tensors[name])
         self._load_bias(tensors, self.dtype)
+        self._prepare_cpu()
 
-    def dequantized_weight(self) -> torch.Tensor:
-        return dequantize_awq(self.qweight, self.qzeros, self.scales, self.group_size)
+    def int_weight(self) -> IntWeight:
+        return awq_int_weight(self.qweight, self.qzeros, self.group_size)
+
+    def weight_scales(self) -> torch.Tensor:
+        return self.scales
+
+    def _label(self) -> str:
+        return "AWQ 4-bit"
 
     def _gemm(self, x: torch.Tensor) -> torch.Tensor:
         return quant_ops.awq_gemm(x, self.qweight, self.qzeros, self.scales, self.group_size,
                                   self.bias)
-
-
-class CompressedPackedLinear(_QuantLinear):
-    """compressed-tensors ``pack-quantized`` (W4A16 / W8A16) linear: ``weight_packed [N, K/pf]``,
-    ``weight_scale [N, G]``, ``weight_shape`` (per shard ``[N_s, K]``), optional
-    ``weight_zero_point [N/pf, G]`` and ``weight_g_idx [K]`` (§6.2)."""
-
-    output_dims: ClassVar[dict[str, int | None]] = {
-        "weight_packed": 0, "weight_scale": 0, "weight_zero_point": 0, "weight_shape": 0,
-        "weight_g_idx": None, "bias": 0}
-    optional: ClassVar[tuple[str, ...]] = ("weight_zero_point", "weight_g_idx")
-
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
-                 device: torch.device, bits: int, group_size: int, sym: bool) -> None:
-        super().__init__(in_features, out_features, bias, device)
-        self.bits, self.group_size, self.sym, self.dtype = bits, group_size, sym, dtype
-        self.pf = pack_factor(bits)
-        self.num_groups = self._num_groups(group_size)
-        self.register_buffer("weight_packed", torch.zeros(self._shapes()["weight_packed"],
-                                                          dtype=torch.int32, device=self.device_))
-        self.register_buffer("weight_scale", torch.zeros(self._shapes()["weight_scale"],
-                                                         dtype=torch.float16, device=self.device_))
-        self.register_buffer("weight_zero_point", None)
-        self.register_buffer("weight_g_idx", None)
-
-    def _shapes(self) -> dict[str, tuple[int, ...]]:
-        k, n, g, pf = self.in_features, self.out_features, self.num_groups, self.pf
-        return {"weight_packed": (n, k // pf), "weight_scale": (n, g),
-                "weight_zero_point": (-(-n // pf), g), "weight_g_idx": (k,)}
-
-    def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Take the compressed-tensors tensors; ``weight_shape`` (fused: ``[N_1, K, N_2, K, ...]``)
-        must sum to this layer's shape.
-
-        Raises:
-            ValueError: missing tensor, wrong shape, or a zero point on a symmetric scheme.
-        """
-        self._require(tensors)
-        ws = tensors.get("weight_shape")
-        if ws is not None:
-            pairs = ws.reshape(-1, 2).tolist()
-            if sum(p[0] for p in pairs) != self.out_features or any(
-                    p[1] != self.in_features for p in pairs):
-                raise ValueError(f"weight_shape must describe [{self.out_features}, "
-                                 f"{self.in_features}], got {pairs}")
-        self._set("weight_packed", tensors["weight_packed"])
-        self._set("weight_scale", tensors["weight_scale"])
-        if "weight_zero_point" in tensors:
-            if self.sym:
-                raise ValueError("weight_zero_point must be absent for a symmetric scheme, "
-                                 "got a tensor")
-            self._set("weight_zero_point", tensors["weight_zero_point"], torch.int32)
-        if "weight_g_idx" in tensors:
-            self._set("weight_g_idx", tensors["weight_g_idx"], torch.int32)
-        self._load_bias(tensors, self.dtype)
-
-    def dequantized_weight(self) -> torch.Tensor:
-        return dequantize_compressed_tensors(self.weight_packed, self.weight_scale,
-                                             self.weight_zero_point, self.weight_g_idx,
-                                             self.bits, self.group_size)
-
-    def _gemm(self, x: torch.Tensor) -> torch.Tensor:
-        y = x @ self.dequantized_weight().to(x.dtype).t()
-        return y if self.bias is None else y + self.bias.to(x.dtype)
-
-
-class Int8W8A8Linear(_QuantLinear):
-    """compressed-tensors ``int-quantized`` W8A8: int8 ``weight [N, K]``, ``weight_scale [N, 1]``,
-    activations quantized per token at run time (§6.2)."""
-
-    output_dims: ClassVar[dict[str, int | None]] = {"weight": 0, "weight_scale": 0, "bias": 0}
-
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
-                 device: torch.device) -> None:
-        super().__init__(in_features, out_features, bias, device)
-        self.dtype = dtype
-        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8,
-                                                   device=self.device_))
-        self.register_buffer("weight_scale", torch.zeros(out_features, 1, dtype=torch.float16,
-                                                         device=self.device_))
-
-    def _shapes(self) -> dict[str, tuple[int, ...]]:
-        return {"weight": (self.out_features, self.in_features),
-                "weight_scale": (self.out_features, 1)}
-
-    def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Take int8 ``weight`` and ``weight_scale`` (and an optional ``bias``).
-
-        Raises:
-            ValueError: missing tensor, wrong shape or a non-int8 weight.
-        """
-        self._require(tensors)
-        if tensors["weight"].dtype != torch.int8:
-            raise ValueError(f"weight must be int8, got {tensors['weight'].dtype}")
-        self._set("weight", tensors["weight"])
-        self._set("weight_scale", tensors["weight_scale"])
-        self._load_bias(tensors, self.dtype)
-
-    def dequantized_weight(self) -> torch.Tensor:
-        return dequantize_int8_channel(self.weight, self.weight_scale)
-
-    def _gemm(self, x: torch.Tensor) -> torch.Tensor:
-        return quant_ops.w8a8_gemm(x, self.weight, self.weight_scale, self.bias)

@@ -21,8 +21,11 @@ def calibration_ids(tokenizer: Any, text: str, num_samples: int, seq_len: int,
                     bos_id: int | None) -> torch.Tensor:
     """Cut ``text`` into up to ``num_samples`` sequences of ``seq_len`` tokens.
 
-    Each sequence is ``[BOS] + seq_len - 1`` consecutive text tokens (no BOS when
-    ``bos_id`` is None). Text shorter than one sequence gives one shorter sequence.
+    The text is split into paragraphs (blank-line separated: one story each in the shipped
+    texts); each is tokenized with BOS in front, as the model sees a document at inference
+    (no BOS when ``bos_id`` is None), the paragraphs are concatenated and the stream is cut
+    into consecutive windows of ``seq_len`` (AutoAWQ's ``get_calib_dataset`` does the same
+    with its samples). Text shorter than one window gives one shorter sequence.
 
     Returns:
         int64 ``[S, L]``.
@@ -33,20 +36,21 @@ def calibration_ids(tokenizer: Any, text: str, num_samples: int, seq_len: int,
     if num_samples < 1 or seq_len < 2:
         raise ValueError(f"num_samples must be >= 1 and seq_len >= 2, got {num_samples}, "
                          f"{seq_len}")
-    # NOTE: the whole text is tokenized once and cut into windows below, so the tokenizer's
-    # "longer than model_max_length" warning does not apply; encode through the backend.
-    ids = tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids \
-        if getattr(tokenizer, "is_fast", False) else \
-        tokenizer(text, add_special_tokens=False)["input_ids"]
-    if not ids:
+    paras = [p.strip() for p in text.split("\n\n") if p.strip()]
+    # NOTE: paragraphs are encoded through the backend (no special tokens, BOS added here), so
+    # the tokenizer's "longer than model_max_length" warning does not apply.
+    if getattr(tokenizer, "is_fast", False):
+        encoded = [e.ids for e in tokenizer.backend_tokenizer.encode_batch(
+            paras, add_special_tokens=False)]
+    else:
+        encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in paras]
+    bos = [] if bos_id is None else [bos_id]
+    ids = [t for e in encoded for t in bos + list(e)]
+    if not any(encoded):
         raise ValueError("calibration text must contain at least one token, got none")
-    body = seq_len - (bos_id is not None)
-    n = max(1, min(num_samples, len(ids) // body))
-    body = min(body, len(ids))
-    rows = [ids[i * body:(i + 1) * body] for i in range(n)]
-    if bos_id is not None:
-        rows = [[bos_id] + r for r in rows]
-    return torch.tensor(rows, dtype=torch.int64)
+    length = min(seq_len, len(ids))
+    n = max(1, min(num_samples, len(ids) // length))
+    return torch.tensor([ids[i * length:(i + 1) * length] for i in range(n)], dtype=torch.int64)
 
 
 class _Stop(Exception):

@@ -4,36 +4,68 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 
+from nybble.config import check_model_dir
 from nybble.runtime.torch_threads import setup_threads
 from nybble.threads import add_threads_arg
 
 logger = logging.getLogger(__name__)
 
 
-def _quantize(args: argparse.Namespace) -> int:
-    setup_threads(args.threads)  # NOTE: before torch is imported (next line)
-    from nybble.quantize.driver import QuantizeOptions, quantize_model
+def check_out_dir(model_dir: str, out_dir: str) -> None:
+    """Refuse an output folder that would overwrite the source model (checked before
+    anything is written or imported).
 
-    text = None
-    if args.calib:
-        with open(args.calib, encoding="utf-8") as f:
-            text = f.read()
+    Raises:
+        ValueError: ``out_dir`` is the model folder or inside it, or is a file.
+    """
+    src, out = os.path.realpath(model_dir), os.path.realpath(out_dir)
+    if out == src or out.startswith(src + os.sep):
+        raise ValueError(f"--out must be a folder outside the source model folder {model_dir!r} "
+                         f"(its weights would be overwritten), got {out_dir!r}")
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"--out must be a folder, got {out_dir!r}, which is a file")
+
+
+def _quantize(args: argparse.Namespace) -> int:
+    check_model_dir(args.model)
+    check_out_dir(args.model, args.out)
+    setup_threads(args.threads)  # NOTE: before torch is imported (next lines)
+    from nybble.quant.report import REPORT_FILE, summarize_report
+    from nybble.quantize.driver import QuantizeOptions, quantize_model
+    from nybble.quantize.e2e import TuneOptions
+
+    def read(path: str | None) -> str | None:
+        if not path:
+            return None
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+
     opts = QuantizeOptions(method=args.method, bits=args.bits, group_size=args.group_size,
                            sym=args.sym, desc_act=args.desc_act,
                            static_groups=args.static_groups, damp_percent=args.damp_percent,
-                           calib_text=text, num_samples=args.num_samples, seq_len=args.seq_len,
-                           clip=not args.no_clip)
+                           calib_text=read(args.calib), calib_source=args.calib,
+                           num_samples=args.num_samples, seq_len=args.seq_len,
+                           # NOTE: results depend on the thread count, so the quantizer pins
+                           # one unless --threads says otherwise (not the machine's default)
+                           clip=not args.no_clip, threads=args.threads or 1,
+                           tune=TuneOptions(**{k: v for k, v in (
+                               ("steps", args.tune_steps), ("batch", args.tune_batch),
+                               ("lr", args.tune_lr)) if v is not None}),
+                           eval_text=read(args.eval_text), eval_source=args.eval_text)
     summary = quantize_model(args.model, args.out, opts)
     logger.info("quantized %d linears, left %d dense; wrote %s", len(summary["quantized"]),
                 len(summary["skipped"]), args.out)
     print(json.dumps({"out": args.out, "quantized": len(summary["quantized"]),
-                      "skipped": summary["skipped"],
+                      "skipped": summary["skipped"], "report": REPORT_FILE,
+                      "summary": summarize_report(args.out),
                       "quantization_config": summary["config"]}, indent=2))
     return 0
 
 
 def _eval_ppl(args: argparse.Namespace) -> int:
+    check_model_dir(args.model)
     setup_threads(args.threads)  # NOTE: before torch is imported
     from transformers import AutoTokenizer
 
@@ -51,25 +83,43 @@ def _eval_ppl(args: argparse.Namespace) -> int:
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Add ``quantize`` and ``eval-ppl`` to the ``nybble`` command."""
     q = subparsers.add_parser(
-        "quantize", help="quantize a model folder with RTN, GPTQ or AWQ",
+        "quantize", help="quantize a model folder with RTN, GPTQ, AWQ or AWQ+GPTQ",
         description="Quantize a Hugging Face Llama-family folder layer by layer on calibration "
                     "text and write a complete model folder in the GPTQ or AWQ format that "
-                    "`nybble serve` loads.")
+                    "`nybble serve` loads, with quantization_report.json and a README.md "
+                    "table beside the weights. The same inputs and thread count give "
+                    "byte-identical files; quantizing runs on one thread unless --threads "
+                    "is given.")
     q.add_argument("model", help="source model folder (Hugging Face Llama)")
-    q.add_argument("--method", choices=["rtn", "gptq", "awq"], required=True,
-                   help="rtn: round to nearest; gptq: Frantar et al. 2023; awq: Lin et al. 2024")
+    q.add_argument("--method", choices=["rtn", "gptq", "awq", "gptq-e2e"], required=True,
+                   help="rtn: round to nearest; gptq: Frantar et al. 2023; awq: Lin et al. "
+                        "2024; gptq-e2e: GPTQ, then the group scales tuned end to end against "
+                        "the fp model (EfficientQAT's E2E-QP, Chen et al. 2024): the best "
+                        "quality, written as GPTQ")
     q.add_argument("--bits", type=int, choices=[4, 8], default=4, help="weight bits")
     q.add_argument("--group-size", type=int, default=128,
                    help="input channels sharing one scale/zero point (-1: per output channel)")
     q.add_argument("--sym", action="store_true", help="symmetric grid (RTN/GPTQ)")
-    q.add_argument("--desc-act", action="store_true", help="GPTQ act-order")
+    q.add_argument("--desc-act", action=argparse.BooleanOptionalAction, default=None,
+                   help="GPTQ act order (default: on for gptq-e2e, off for gptq)")
     q.add_argument("--static-groups", action="store_true", help="GPTQ static groups")
     q.add_argument("--damp-percent", type=float, default=0.01,
                    help="GPTQ dampening, fraction of the mean Hessian diagonal")
     q.add_argument("--calib", help="calibration text file (default: built-in text)")
-    q.add_argument("--num-samples", type=int, default=64, help="calibration sequences")
-    q.add_argument("--seq-len", type=int, default=256, help="tokens per calibration sequence")
+    q.add_argument("--num-samples", type=int, default=128,
+                   help="at most this many calibration sequences")
+    q.add_argument("--seq-len", type=int, default=512,
+                   help="tokens per calibration sequence (at most the model's context)")
     q.add_argument("--no-clip", action="store_true", help="AWQ: skip the clipping search")
+    # NOTE: None = TuneOptions' default (not imported here: it would load torch for --help)
+    q.add_argument("--tune-steps", type=int, help="gptq-e2e: optimizer steps of the scale "
+                                                  "tuning (default: 120)")
+    q.add_argument("--tune-batch", type=int, help="gptq-e2e: calibration sequences per step "
+                                                  "(default: 4)")
+    q.add_argument("--tune-lr", type=float, help="gptq-e2e: Adam learning rate on the "
+                                                 "log-scales (default: 0.002)")
+    q.add_argument("--eval-text", help="held-out text (blank-line separated paragraphs): "
+                                       "perplexity before and after goes into the report")
     q.add_argument("--out", required=True, help="output model folder")
     add_threads_arg(q)
     q.set_defaults(func=_quantize)

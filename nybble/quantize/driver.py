@@ -1,15 +1,23 @@
-"""``nybble quantize``: RTN / GPTQ / AWQ of a Llama folder into a servable quantized folder.
+"""``nybble quantize``: RTN / GPTQ / AWQ / GPTQ-E2E of a Llama folder into a servable folder.
 
-Driver of docs/quant-formats.md §7.3 (GPTQ, true-sequential sub-groups, quantized activations
-fed forward) and §7.4 (AWQ, original activations fed forward). Linears whose input width is not
-a multiple of the group size or of the packing factor (or whose output width is not a
-multiple of the packing factor) stay dense and are listed in ``modules_to_not_convert``.
-Output layout: RTN/GPTQ -> GPTQ (v1 when symmetric, ``gptq_v2`` when asymmetric); AWQ 4-bit ->
-AutoAWQ GEMM; AWQ 8-bit (no AWQ layout exists) -> ``gptq_v2`` asymmetric with AWQ's grid.
+Driver of docs/quant-formats.md §7.3 / §7.4: capture the first decoder layer's inputs on the
+calibration text, then quantize layer by layer (:mod:`nybble.quantize.layer_quant`). Linears
+whose input width is not a multiple of the group size or of the packing factor (or whose
+output width is not a multiple of the packing factor) stay dense and are listed in
+``modules_to_not_convert``. Output layout: RTN/GPTQ/GPTQ-E2E -> GPTQ (v1 when symmetric,
+``gptq_v2`` when asymmetric); AWQ 4-bit -> AutoAWQ GEMM; AWQ 8-bit (no AWQ layout exists) ->
+``gptq_v2`` asymmetric with AWQ's grid. Beside the weights: ``quantization_report.json`` and a
+``README.md`` table (:mod:`nybble.quantize.report`).
+
+NOTE: deterministic. The same inputs and ``threads`` give byte-identical weight files: torch's
+CPU reductions and GEMMs split their sums by thread count, so the count is pinned for the run
+(default 1) rather than taken from the machine; nothing else depends on time, randomness or
+set order.
 """
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,14 +25,10 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from nybble.quantize import awq as awq_mod
 from nybble.quantize.calibration import (
     BUILTIN_CALIB,
-    attention_forward,
     calibration_ids,
     capture_first_layer_inputs,
-    record_inputs,
-    run_layer,
 )
 from nybble.quantize.export import (
     awq_config,
@@ -33,15 +37,21 @@ from nybble.quantize.export import (
     pack_gptq,
     write_model_folder,
 )
-from nybble.quantize.gptq import GPTQResult, HessianAccumulator, gptq_quantize
-from nybble.quantize.rtn import rtn_quantize
+from nybble.quantize.e2e import TuneOptions, tune_scales
+from nybble.quantize.gptq import GPTQResult
+from nybble.quantize.layer_quant import LAYER_METHODS, LINEARS, LayerOptions, LinearOutcome
+from nybble.quantize.report import (
+    build_report,
+    checkpoint_tensor_bytes,
+    relative_output_error,
+    safetensors_bytes,
+    text_sha256,
+    write_report,
+)
 
 logger = logging.getLogger(__name__)
 
-LINEARS = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
-GPTQ_SUBGROUPS = [["self_attn.k_proj", "self_attn.v_proj", "self_attn.q_proj"],
-                  ["self_attn.o_proj"], ["mlp.up_proj", "mlp.gate_proj"], ["mlp.down_proj"]]
+METHODS = tuple(LAYER_METHODS)
 
 
 @dataclass
@@ -49,37 +59,58 @@ class QuantizeOptions:
     """Settings of one quantization run (CLI flags of ``nybble quantize``).
 
     Attributes:
-        method: ``rtn`` | ``gptq`` | ``awq``. bits: 4 | 8. group_size: -1 or > 0.
-        sym: symmetric grid (RTN/GPTQ; AWQ is always asymmetric).
-        desc_act / static_groups / damp_percent: GPTQ act-order, static groups, dampening.
-        calib_text: calibration text (None: the built-in text). num_samples, seq_len: how
-            many calibration sequences of how many tokens.
-        duo_scaling / clip: AWQ scale formula and clipping search.
+        method: ``rtn`` | ``gptq`` | ``awq`` | ``gptq-e2e``. bits: 4 | 8.
+        group_size: -1 (per output channel) or > 0 input channels per scale.
+        sym: symmetric grid (RTN/GPTQ/GPTQ-E2E; AWQ is always asymmetric).
+        desc_act / static_groups / damp_percent: GPTQ act order (None: on for ``gptq-e2e``,
+            off otherwise), static groups, dampening (fraction of the mean Hessian diagonal).
+        calib_text: calibration text (None: the built-in text); calib_source names it in the
+            report. num_samples, seq_len: at most this many sequences of this many tokens.
+        duo_scaling / clip: AWQ scale formula (True: AutoAWQ's, False: the paper's, "both":
+            search both) and clipping search.
+        tune: GPTQ-E2E scale tuning (steps, batch, learning rate).
+        threads: torch intra-op threads during the run (results depend on it, see module).
+        eval_text: held-out text whose perplexity (before and after) goes into the report;
+            eval_source names it.
     """
 
     method: str = "gptq"
     bits: int = 4
     group_size: int = 128
     sym: bool = False
-    desc_act: bool = False
+    desc_act: bool | None = None
     static_groups: bool = False
     damp_percent: float = 0.01
     calib_text: str | None = None
-    num_samples: int = 64
-    seq_len: int = 256
-    duo_scaling: bool = True
+    calib_source: str | None = None
+    num_samples: int = 128
+    seq_len: int = 512
+    duo_scaling: bool | str = "both"
     clip: bool = True
+    tune: TuneOptions = field(default_factory=TuneOptions)
+    threads: int = 1
+    eval_text: str | None = None
+    eval_source: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.method not in ("rtn", "gptq", "awq"):
-            raise ValueError(f"method must be rtn, gptq or awq, got {self.method!r}")
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
         if self.bits not in (4, 8):
             raise ValueError(f"bits must be 4 or 8, got {self.bits!r}")
         if self.group_size != -1 and self.group_size <= 0:
             raise ValueError(f"group_size must be -1 or > 0, got {self.group_size!r}")
+        if self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads!r}")
         if self.method == "awq":
             self.sym = False
+        if self.desc_act is None:
+            self.desc_act = self.method == "gptq-e2e"
+
+    def layer_options(self) -> LayerOptions:
+        """The per-layer subset."""
+        return LayerOptions(self.bits, self.group_size, self.sym, bool(self.desc_act),
+                            self.static_groups, self.damp_percent, self.duo_scaling, self.clip)
 
 
 def skip_reason(lin: nn.Linear, bits: int, group_size: int) -> str | None:
@@ -94,72 +125,8 @@ def skip_reason(lin: nn.Linear, bits: int, group_size: int) -> str | None:
     return None
 
 
-def _gptq_layer(layer: nn.Module, hidden: torch.Tensor, kw: dict[str, Any],
-                names: list[str], o: QuantizeOptions) -> dict[str, GPTQResult]:
-    out: dict[str, GPTQResult] = {}
-    for group in GPTQ_SUBGROUPS:
-        group = [g for g in group if g in names]
-        if not group:
-            continue
-        accs = {g: HessianAccumulator(layer.get_submodule(g).in_features) for g in group}
-        record_inputs(layer, group, hidden, kw, sink=lambda n, x: accs[n].add_batch(x))
-        for g in group:
-            lin = layer.get_submodule(g)
-            res = gptq_quantize(lin.weight.data, accs[g].h, o.bits, o.group_size, o.sym,
-                                o.desc_act, o.static_groups, o.damp_percent)
-            lin.weight.data.copy_(res.dequant.to(lin.weight.dtype))
-            out[g] = res
-    return out
-
-
-def _awq_layer(layer: nn.Module, feats: dict[str, torch.Tensor], kw: dict[str, Any],
-               names: list[str], o: QuantizeOptions) -> dict[str, GPTQResult]:
-    sub = layer.get_submodule
-    groups: list[tuple[str, list[str], str, Any]] = [
-        ("input_layernorm", LINEARS[:3], "self_attn.q_proj", attention_forward(layer, kw)),
-        ("post_attention_layernorm", ["mlp.gate_proj", "mlp.up_proj"], "mlp.gate_proj",
-         layer.mlp),
-        ("mlp.up_proj", ["mlp.down_proj"], "mlp.down_proj", sub("mlp.down_proj"))]
-    if sub("self_attn.v_proj").weight.shape == sub("self_attn.o_proj").weight.shape:
-        groups.insert(1, ("self_attn.v_proj", ["self_attn.o_proj"], "self_attn.o_proj",
-                          sub("self_attn.o_proj")))
-    found = []
-    for prev, lins, inp, fwd in groups:
-        if all(n in names for n in lins) and (prev not in LINEARS or prev in names):
-            s, _, _ = awq_mod.search_best_scale(feats[inp], [sub(n) for n in lins], fwd,
-                                                o.bits, o.group_size, o.duo_scaling)
-            found.append((prev, lins, s))
-    for prev, lins, s in found:
-        awq_mod.apply_scale(sub(prev), [sub(n) for n in lins], s)
-        for n in lins:
-            feats[n] = feats[n] / s.to(feats[n].dtype)
-    out: dict[str, GPTQResult] = {}
-    for n in names:
-        lin = sub(n)
-        if o.clip and not any(t in n for t in ("q_", "k_", "query", "key", "Wqkv")):
-            mv = awq_mod.search_best_clip(lin.weight.data, feats[n], o.bits, o.group_size)
-            awq_mod.apply_clip(lin, mv, o.group_size)
-        out[n] = rtn_quantize(lin.weight.data, o.bits, o.group_size, sym=False, kind="awq")
-    return out
-
-
-@torch.no_grad()
-def quantize_model(model_dir: str, out_dir: str, opts: QuantizeOptions,
-                   progress: bool = True) -> dict[str, Any]:
-    """Quantize the Llama folder ``model_dir`` and write a complete folder ``out_dir``.
-
-    Returns:
-        Summary: ``{"quantized": [...], "skipped": {name: reason}, "config": dict}``.
-
-    Raises:
-        ValueError: bad options or empty calibration text.
-    """
-    from transformers import AutoTokenizer
-
-    from nybble.quantize.hf_model import load_model
-
-    model = load_model(model_dir, torch.float32)
-    layers = model.model.layers
+def _packable(layers: nn.ModuleList, opts: QuantizeOptions
+              ) -> tuple[list[list[str]], dict[str, str]]:
     names_per_layer: list[list[str]] = []
     skipped: dict[str, str] = {}
     for i, layer in enumerate(layers):
@@ -172,39 +139,116 @@ def quantize_model(model_dir: str, out_dir: str, opts: QuantizeOptions,
                 skipped[f"model.layers.{i}.{n}"] = why
                 logger.warning("leaving model.layers.%d.%s unquantized: %s", i, n, why)
         names_per_layer.append(ok)
-    results: dict[str, GPTQResult] = {}
-    if opts.method == "rtn":
-        for i, layer in enumerate(layers):
-            for n in names_per_layer[i]:
-                results[f"model.layers.{i}.{n}"] = rtn_quantize(
-                    layer.get_submodule(n).weight.data, opts.bits, opts.group_size, opts.sym)
+    if not any(names_per_layer):
+        name, why = next(iter(skipped.items()), ("the model", "it has no decoder layers"))
+        raise ValueError(f"nothing to quantize: all {len(skipped)} linear layers would stay "
+                         f"dense ({name}: {why}); choose a --group-size that divides the "
+                         f"layers' input widths")
+    return names_per_layer, skipped
+
+
+@torch.no_grad()
+def _run(model: nn.Module, model_dir: str, opts: QuantizeOptions, progress: bool
+         ) -> tuple[dict[str, GPTQResult], dict[str, float], dict[str, str], dict[str, Any],
+                    dict[str, Any] | None]:
+    from transformers import AutoTokenizer
+
+    from nybble.quantize.hf_model import load_model
+
+    layers = model.model.layers
+    names_per_layer, skipped = _packable(layers, opts)
+    if opts.calib_text is None:
+        with open(BUILTIN_CALIB, encoding="utf-8") as f:
+            text, source = f.read(), "built-in"
     else:
-        tok = AutoTokenizer.from_pretrained(model_dir)
-        if opts.calib_text is None:
-            with open(BUILTIN_CALIB, encoding="utf-8") as f:
-                text = f.read()
-        else:
-            text = opts.calib_text
-        ids = calibration_ids(tok, text, opts.num_samples, opts.seq_len,
-                              model.config.bos_token_id)
-        hidden, kw = capture_first_layer_inputs(model, ids)
-        it = tqdm(list(enumerate(layers)), desc=f"{opts.method} layers", disable=not progress)
-        for i, layer in it:
-            if opts.method == "gptq":
-                res = _gptq_layer(layer, hidden, kw, names_per_layer[i], opts)
-                hidden = run_layer(layer, hidden, kw)
-            else:
-                feats, hidden = record_inputs(layer, names_per_layer[i], hidden, kw)
-                res = _awq_layer(layer, feats, kw, names_per_layer[i], opts)
-            results.update({f"model.layers.{i}.{n}": r for n, r in res.items()})
-    awq_layout = opts.method == "awq" and opts.bits == 4
-    v2 = not opts.sym
-    qtensors = {p: (pack_awq(r) if awq_layout else pack_gptq(r, opts.bits, v2))
-                for p, r in results.items()}
-    skipped_names = sorted(skipped)
-    cfg = (awq_config(opts.group_size, skipped_names) if awq_layout else
-           gptq_config(opts.bits, opts.group_size, opts.sym, opts.desc_act, opts.static_groups,
-                       opts.damp_percent, v2, skipped_names, opts.method))
-    write_model_folder(model, model_dir, out_dir, qtensors, cfg)
+        text, source = opts.calib_text, opts.calib_source or "calib_text"
+    seq_len = min(opts.seq_len, getattr(model.config, "max_position_embeddings", opts.seq_len))
+    ids = calibration_ids(AutoTokenizer.from_pretrained(model_dir), text, opts.num_samples,
+                          seq_len, model.config.bos_token_id)
+    calibration = {"source": source, "sha256": text_sha256(text), "sequences": ids.shape[0],
+                   "seq_len": ids.shape[1], "tokens": ids.numel()}
+    hidden, kw = capture_first_layer_inputs(model, ids)
+    fn, lo = LAYER_METHODS[opts.method], opts.layer_options()
+    outcomes: dict[str, LinearOutcome] = {}
+    it = tqdm(list(enumerate(layers)), desc=f"{opts.method} layers", disable=not progress)
+    for i, layer in it:
+        out, hidden = fn(layer, hidden, kw, names_per_layer[i], lo)
+        for n in names_per_layer[i]:  # NOTE: LINEARS order, not dict order
+            outcomes[f"model.layers.{i}.{n}"] = out[n]
+    del hidden
+    results = {k: o.result for k, o in outcomes.items()}
+    tuning = None
+    if opts.method == "gptq-e2e":
+        results, losses = tune_scales(load_model(model_dir, torch.float32), model, results, ids,
+                                      opts.tune)
+        tuning = {"steps": opts.tune.steps, "batch": opts.tune.batch, "lr": opts.tune.lr,
+                  "kl_first": losses[0] if losses else None,
+                  "kl_last": losses[-1] if losses else None}
+    # NOTE: against the weight as written and dequantized by every loader (fp16 scales times
+    # integers, rounded to fp16), not the quantizer's float32 product
+    errors = {k: relative_output_error(o.weight, results[k].dequant.half().float(), o.gram)
+              for k, o in outcomes.items()}
+    return results, errors, skipped, calibration, tuning
+
+
+def _perplexity(model_dir: str, text: str) -> dict[str, float]:
+    from transformers import AutoTokenizer
+
+    from nybble.quantize.eval_ppl import nybble_logits_fn, perplexity
+
+    return perplexity(nybble_logits_fn(model_dir), AutoTokenizer.from_pretrained(model_dir), text)
+
+
+def quantize_model(model_dir: str, out_dir: str, opts: QuantizeOptions,
+                   progress: bool = True) -> dict[str, Any]:
+    """Quantize the Llama folder ``model_dir`` and write a complete folder ``out_dir`` with
+    its quality report.
+
+    Returns:
+        ``{"quantized": [...], "skipped": {name: reason}, "config": dict,
+        "results": {name: GPTQResult}, "report": dict}``.
+
+    Raises:
+        ValueError: bad options, empty calibration text, or no linear layer can be
+            quantized with these options (nothing is written then).
+    """
+    from nybble.quantize.hf_model import load_model
+
+    t0 = time.perf_counter()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(opts.threads)
+    try:
+        model = load_model(model_dir, torch.float32)
+        results, errors, skipped, calibration, tuning = _run(model, model_dir, opts, progress)
+        awq_layout = opts.method == "awq" and opts.bits == 4
+        v2 = not opts.sym
+        qtensors = {p: (pack_awq(r) if awq_layout else pack_gptq(r, opts.bits, v2))
+                    for p, r in results.items()}
+        skipped_names = sorted(skipped)
+        cfg = (awq_config(opts.group_size, skipped_names) if awq_layout else
+               gptq_config(opts.bits, opts.group_size, opts.sym, bool(opts.desc_act),
+                           opts.static_groups, opts.damp_percent, v2, skipped_names,
+                           opts.method))
+        write_model_folder(model, model_dir, out_dir, qtensors, cfg)
+        wall = time.perf_counter() - t0
+        ppl = None
+        if opts.eval_text is not None:
+            before, after = _perplexity(model_dir, opts.eval_text), _perplexity(out_dir,
+                                                                                opts.eval_text)
+            ppl = {"text": opts.eval_source or "eval_text", "sha256": text_sha256(opts.eval_text),
+                   "tokens": int(after["tokens"]), "before": before["perplexity"],
+                   "after": after["perplexity"]}
+    finally:
+        torch.set_num_threads(threads)
+    lin_before = checkpoint_tensor_bytes(model_dir, [p + ".weight" for p in results])
+    lin_after = sum(t.numel() * t.element_size() for d in qtensors.values() for t in d.values())
+    settings = {"method": opts.method, "bits": opts.bits, "group_size": opts.group_size,
+                "sym": opts.sym, "desc_act": opts.desc_act, "static_groups": opts.static_groups,
+                "threads": opts.threads, "quantization_config": cfg, "tuning": tuning}
+    report = build_report(settings, calibration, errors, skipped,
+                          {"linear_before": lin_before, "linear_after": lin_after,
+                           "checkpoint_before": safetensors_bytes(model_dir),
+                           "checkpoint_after": safetensors_bytes(out_dir)}, wall, ppl)
+    write_report(out_dir, report)
     return {"quantized": sorted(results), "skipped": skipped, "config": cfg,
-            "results": results}
+            "results": results, "report": report}

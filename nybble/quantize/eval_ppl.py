@@ -28,8 +28,9 @@ def hf_logits_fn(model: nn.Module) -> LogitsFn:
     return fn
 
 
-def nybble_logits_fn(model_dir: str, quantization: str | None = None) -> LogitsFn:
-    """nybble's own model for ``model_dir`` (what ``nybble serve`` runs), float32 on CPU."""
+def nybble_model(model_dir: str, quantization: str | None = None) -> tuple[Any, LogitsFn]:
+    """nybble's own model for ``model_dir`` (what ``nybble serve`` runs), float32 on CPU:
+    ``(LoadedModel, logits function)``."""
     from nybble.config import ModelConfig
     from nybble.kernels import get_attention_backend
     from nybble.models.loader import load_model
@@ -39,7 +40,12 @@ def nybble_logits_fn(model_dir: str, quantization: str | None = None) -> LogitsF
     loaded = load_model(ModelConfig(model=model_dir, quantization=quantization,
                                     dtype="float32", device="cpu"),
                         get_attention_backend("torch", device), device)
-    return lambda ids: prefill_logits(loaded, [ids])[0]
+    return loaded, lambda ids: prefill_logits(loaded, [ids])[0]
+
+
+def nybble_logits_fn(model_dir: str, quantization: str | None = None) -> LogitsFn:
+    """The logits function of :func:`nybble_model` (what ``nybble eval-ppl`` scores with)."""
+    return nybble_model(model_dir, quantization)[1]
 
 
 def split_paragraphs(text: str, max_paragraphs: int | None = None) -> list[str]:

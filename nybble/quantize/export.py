@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from nybble import __version__
 from nybble.kernels.packing import AWQ_ORDER, pack_cols, pack_rows
 from nybble.quantize.gptq import GPTQResult
 
@@ -51,7 +52,7 @@ def gptq_config(bits: int, group_size: int, sym: bool, desc_act: bool, static_gr
         "model_name_or_path": None, "model_file_base_name": None, "is_marlin_format": False,
         "quant_method": "gptq", "checkpoint_format": "gptq_v2" if v2 else "gptq",
         "modules_to_not_convert": skipped or None,
-        "meta": {"quantizer": ["nybble:0.1.0"], "method": method}}
+        "meta": {"quantizer": [f"nybble:{__version__}"], "method": method}}
     if v2:
         cfg["format"] = "gptq_v2"
         cfg["pack_dtype"] = "int32"
@@ -86,7 +87,11 @@ def write_model_folder(model: nn.Module, src_dir: str, out_dir: str,
     for prefix, d in qtensors.items():
         for k, t in d.items():
             tensors[f"{prefix}.{k}"] = t.contiguous()
-    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    weights = os.path.join(out_dir, "model.safetensors")
+    save_file(tensors, weights, metadata={"format": "pt"})
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(weights, 0o666 & ~umask)  # NOTE: safetensors writes 0600; other files get 0644
     hf_config["quantization_config"] = qconfig
     with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
         json.dump(hf_config, f, indent=2)

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from nybble.config import model_weight_files
 from nybble.quant.config import load_quant_config
 
 
@@ -24,13 +25,16 @@ def read_hf_config(model_dir: str) -> dict[str, Any]:
 
 
 def load_checkpoint_tensors(model_dir: str) -> dict[str, torch.Tensor]:
-    """Every tensor of every ``*.safetensors`` in ``model_dir`` (reference outputs excluded)."""
+    """Every tensor of the checkpoint's weight files (:func:`model_weight_files`).
+
+    Raises:
+        UnsupportedModelError: no weight files, or an index pointing outside the folder.
+    """
     from safetensors.torch import load_file
 
     out: dict[str, torch.Tensor] = {}
-    for fname in sorted(os.listdir(model_dir)):
-        if fname.endswith(".safetensors") and not fname.startswith("reference_outputs"):
-            out.update(load_file(os.path.join(model_dir, fname)))
+    for path in model_weight_files(model_dir):
+        out.update(load_file(path))
     return out
 
 

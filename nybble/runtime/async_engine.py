@@ -3,8 +3,13 @@
 The engine core (scheduler, model runner, busy loop) runs in its own process
 (:mod:`nybble.runtime.core_process`); this object is everything the API process keeps:
 
-- the output side (:class:`OutputProcessor`: detokenizer, stop strings, cumulative
-  :class:`RequestOutput` snapshots) and one :class:`RequestStream` per request;
+- the output side (:class:`OutputProcessor`: detokenizer, stop strings, DELTA
+  :class:`RequestOutput` objects) and one :class:`RequestStream` per request, which holds at
+  most one unread output: a delta pushed while the previous one is unread is merged into it,
+  so a slow reader costs memory linear in its output, not a queue of copies;
+- admission control: with ``max_num_waiting_requests``, new requests are refused
+  (:class:`EngineOverloadedError`, HTTP 503 with ``Retry-After``) while that many requests
+  wait for their first step;
 - an output task that receives the core's messages (:class:`CoreClient`): each step's
   :class:`EngineCoreOutputs` is detokenized and pushed to the streams, a stop-string match
   goes back to the core as a finish (vLLM V1 does the same with an abort), and a
@@ -56,18 +61,33 @@ class EngineRequestError(NybbleError):
     """The engine core failed this request (a failed step): HTTP 500."""
 
 
+class EngineOverloadedError(NybbleError):
+    """Too many requests wait for the engine (admission control): HTTP 503, retry later.
+
+    Attributes:
+        retry_after_s: a hint for the ``Retry-After`` header (seconds).
+    """
+
+    def __init__(self, message: str, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 @dataclasses.dataclass(slots=True)
 class StepRecord:
     """What one engine step (or the core going idle) produced, for metrics observers.
 
     Attributes:
-        outputs: cumulative snapshots of the requests that changed in the step.
+        outputs: delta outputs of the requests that changed in the step (or the final
+            output of a request that was aborted or failed).
         stats: the core's counters after the step.
         prompt_tokens: prompt tokens of requests that got their first token in the step.
         generation_tokens: tokens generated in the step (all samples of all requests).
         first_token_ids: request ids that got their first token in the step.
         itl: per request with new tokens (after its first), seconds since its previous tokens.
         now: ``time.monotonic()`` when the step's outputs were processed (seconds).
+        aborted: requests ended by an abort (client gone, shutdown) since the last record.
+        failed: requests the engine failed since the last record.
     """
 
     outputs: list[RequestOutput]
@@ -77,27 +97,34 @@ class StepRecord:
     first_token_ids: list[str] = dataclasses.field(default_factory=list)
     itl: list[float] = dataclasses.field(default_factory=list)
     now: float = 0.0
+    aborted: int = 0
+    failed: int = 0
 
 
 StepObserver = Callable[[StepRecord], None]
 
 
 class RequestStream:
-    """Async iterator over one request's cumulative :class:`RequestOutput` snapshots.
+    """Async iterator over one request's DELTA :class:`RequestOutput` objects.
 
-    It ends after the snapshot with ``finished=True``. If the engine fails the request,
+    It ends after the output with ``finished=True``. If the engine fails the request,
     iteration raises that error. :attr:`error` is set when the request was ended from outside
-    (server shutdown): its last snapshot is an ``"abort"``, and a caller that needs a whole
+    (server shutdown): its last output is an ``"abort"``, and a caller that needs a whole
     response raises :attr:`error` instead.
+
+    NOTE: bounded: it holds at most one unread output (later deltas are merged into it with
+    :meth:`RequestOutput.add`) and one error.
     """
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
-        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self.finished = False
+        self.finished = False                      # the reader has seen the end
         self.error: NybbleError | None = None
         self.num_tokens = 0                        # tokens seen so far (all samples)
         self.last_token_time: float | None = None
+        self._unread: RequestOutput | None = None
+        self._raise: BaseException | None = None
+        self._wake = asyncio.Event()
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -105,16 +132,25 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        item = await self.queue.get()
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        self.finished = item.finished
-        return item
+        while self._unread is None and self._raise is None:
+            self._wake.clear()
+            await self._wake.wait()
+        if self._unread is not None:
+            out, self._unread = self._unread, None
+            self.finished = out.finished
+            return out
+        self.finished = True
+        raise self._raise  # type: ignore[misc]
 
     def push(self, item: RequestOutput | BaseException) -> None:
-        """Hand ``item`` to the stream's reader."""
-        self.queue.put_nowait(item)
+        """Hand ``item`` to the stream's reader (merged into an unread output)."""
+        if isinstance(item, BaseException):
+            self._raise = item
+        elif self._unread is None:
+            self._unread = item
+        else:
+            self._unread.add(item)
+        self._wake.set()
 
 
 class AsyncEngine:
@@ -127,13 +163,18 @@ class AsyncEngine:
             quick and must not raise.
         log_stats: log a stats line every ``stats_interval_s`` seconds while busy.
         stats_interval_s: seconds between stats lines.
+        max_num_waiting_requests: admission control: refuse new requests while this many
+            wait for their first step (``None``: no limit).
     """
 
     def __init__(self, client: CoreClient, tokenizer: Tokenizer,
                  observer: StepObserver | None = None, log_stats: bool = True,
-                 stats_interval_s: float = 5.0) -> None:
+                 stats_interval_s: float = 5.0,
+                 max_num_waiting_requests: int | None = None) -> None:
         self.client = client
-        self.output_processor = OutputProcessor(tokenizer)
+        self.output_processor = OutputProcessor(tokenizer, delta=True)
+        self.max_num_waiting_requests = max_num_waiting_requests
+        self._waiting: set[str] = set()        # submitted, not yet in a scheduled batch
         self.observer = observer
         self.log_stats = log_stats
         self.stats_interval_s = stats_interval_s
@@ -175,7 +216,9 @@ class AsyncEngine:
                                                "aborted")
             stream.push(final if final is not None else stream.error)
             self.client.abort(request_id)
+        self._ended(aborted=len(self._streams))
         self._streams.clear()
+        self._waiting.clear()
         self.client.flush()
 
     @property
@@ -211,6 +254,11 @@ class AsyncEngine:
         """
         return self.add_requests([request], [prompt])[0]
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests submitted that have not been in a scheduled batch yet."""
+        return len(self._waiting)
+
     def add_requests(self, requests: list[EngineCoreRequest],
                      prompts: list[str | None]) -> list[RequestStream]:
         """Submit several gated requests at once (one message to the core); all or none.
@@ -218,8 +266,15 @@ class AsyncEngine:
         Raises:
             InvalidRequestError, EngineDeadError, EngineShutdownError: as
                 :meth:`add_request`; nothing is submitted then.
+            EngineOverloadedError: ``max_num_waiting_requests`` requests already wait (a
+                request with more prompts than that is admitted only when none waits).
         """
         self._check_open()
+        limit = self.max_num_waiting_requests
+        if limit is not None and self._waiting and len(self._waiting) + len(requests) > limit:
+            raise EngineOverloadedError(
+                f"the server is overloaded: {len(self._waiting)} requests are waiting for the "
+                f"engine (max_num_waiting_requests {limit}); retry later")
         seen: set[str] = set()
         for r in requests:
             self.output_processor.check_new(r.request_id)
@@ -232,6 +287,7 @@ class AsyncEngine:
             self.output_processor.add_request(request, prompt)
             stream = RequestStream(request.request_id)
             self._streams[request.request_id] = stream
+            self._waiting.add(request.request_id)
             streams.append(stream)
             self.client.add_request(request)
         return streams
@@ -240,9 +296,11 @@ class AsyncEngine:
         """Abort a request (no-op if it already finished); the core frees its KV blocks."""
         if self._streams.pop(request_id, None) is None:
             return
+        self._waiting.discard(request_id)
         self.output_processor.abort_request(request_id)
         if self.client.alive:
             self.client.abort(request_id)
+        self._ended(aborted=1)
 
     async def get_stats(self) -> EngineStats:
         """The core's counters, read between two of its steps (after everything sent
@@ -287,6 +345,8 @@ class AsyncEngine:
 
     def _on_outputs(self, core: EngineCoreOutputs) -> None:
         record = StepRecord([], core.stats, now=time.monotonic())
+        for rid in core.first_scheduled:
+            self._waiting.discard(rid)
         if core.request_ids:
             outputs, stopped = self.output_processor.process_outputs(core)
             for rid, index in stopped:
@@ -299,6 +359,7 @@ class AsyncEngine:
                 record.outputs.append(out)
                 if out.finished:
                     del self._streams[out.request_id]
+                    self._waiting.discard(out.request_id)
                 stream.push(out)
         self._notify(record)
         if record.outputs:
@@ -307,12 +368,11 @@ class AsyncEngine:
             self._window = [record.now, 0, 0]
 
     def _account(self, stream: RequestStream, out: RequestOutput, record: StepRecord) -> None:
-        """Count new tokens, first tokens and inter-token gaps of one request's snapshot."""
-        num_tokens = sum(len(o.token_ids) for o in out.outputs)
-        new = num_tokens - stream.num_tokens
+        """Count new tokens, first tokens and inter-token gaps of one request's delta."""
+        new = sum(len(o.token_ids) for o in out.outputs)
         if new <= 0:
             return
-        stream.num_tokens = num_tokens
+        stream.num_tokens += new
         record.generation_tokens += new
         now = (out.metrics.last_token_time if out.metrics is not None
                and out.metrics.last_token_time is not None else record.now)
@@ -327,13 +387,17 @@ class AsyncEngine:
     def _fail(self, request_ids: Iterable[str], error: type[NybbleError], message: str) -> None:
         """End ``request_ids`` with a fresh ``error(message)`` each (one clean error per
         request, no shared traceback)."""
+        failed = 0
         for rid in request_ids:
             stream = self._streams.pop(rid, None)
+            self._waiting.discard(rid)
             self.output_processor.abort_request(rid)
             if stream is not None:
                 stream.push(error(message))
+                failed += 1
             if self.client.alive:
                 self.client.abort(rid)
+        self._ended(failed=failed)
 
     def _on_core_exit(self, code: int) -> None:
         if not self._closing:
@@ -350,6 +414,12 @@ class AsyncEngine:
             if not future.done():
                 future.set_exception(EngineDeadError(why))
         self._calls.clear()
+
+    def _ended(self, aborted: int = 0, failed: int = 0) -> None:
+        """Tell the observer about requests that ended without finishing (metrics)."""
+        if aborted or failed:
+            self._notify(StepRecord([], None, now=time.monotonic(), aborted=aborted,
+                                    failed=failed))
 
     def _notify(self, record: StepRecord) -> None:
         if self.observer is not None:

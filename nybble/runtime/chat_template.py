@@ -81,7 +81,9 @@ def render_chat_template(source: str, messages: list[dict[str, Any]],
 
     Raises:
         InvalidRequestError: the template refused the conversation (``raise_exception``,
-            e.g. "roles must alternate") or failed to render; ``param`` is ``messages``.
+            e.g. "roles must alternate") or failed to render it (any exception the template
+            raises on these messages: an undefined field, a type error...); ``param`` is
+            ``messages``.
     """
     try:
         template = compile_template(source)
@@ -90,3 +92,6 @@ def render_chat_template(source: str, messages: list[dict[str, Any]],
     except jinja2.TemplateError as e:
         raise InvalidRequestError(f"messages were refused by the chat template: {e}",
                                   param="messages") from None
+    except Exception as e:  # noqa: BLE001 -- a template is a program run on user input
+        raise InvalidRequestError(f"messages could not be rendered by the chat template: "
+                                  f"{type(e).__name__}: {e}", param="messages") from None

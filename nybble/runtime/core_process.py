@@ -13,9 +13,11 @@ Started by :class:`nybble.runtime.core_client.CoreClient` as
    run one step, send ONE :class:`EngineCoreOutputs` with every sampled row of the step.
    With no work it blocks on the socket (waking once a second for the parent check).
 
-A step that raises fails the requests in the core (they are aborted and reported with
-:class:`RequestsFailed`); after :data:`MAX_CONSECUTIVE_STEP_FAILURES` failed steps in a row
-the core reports :class:`EngineCoreFatal` and exits, so the API process turns unhealthy.
+A step that raises fails only the requests of its batch (the engine core rolls them back,
+see :meth:`EngineCore.step`; they are reported with :class:`RequestsFailed`) and the loop
+goes on; after :data:`MAX_CONSECUTIVE_STEP_FAILURES` failed steps in a row, or at once when
+the core's own bookkeeping fails (``schedule()`` or the rollback), the core fails what it
+still holds, reports :class:`EngineCoreFatal` and exits, so the API process turns unhealthy.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ from typing import TYPE_CHECKING
 import zmq
 
 from nybble.config import has_tokenizer_file
-from nybble.errors import NybbleError
+from nybble.errors import EngineStepError, NybbleError
 from nybble.runtime.messages import (
     Codec,
     CoreInputs,
@@ -170,26 +172,32 @@ class CoreProc:
         self._idle_reported = False
         try:
             outputs = self.core.step()
-        except Exception as e:  # NOTE: fail the requests, keep the process
+        except EngineStepError as e:  # NOTE: its batch's requests were rolled back
             self._failures += 1
-            logger.exception("engine step failed (%d in a row); failing the requests in the "
-                             "core", self._failures)
-            ids = self.core.request_ids()
-            try:
-                self.core.abort_requests(ids)
-            except Exception:  # NOTE: already failing; report and go on
-                logger.exception("aborting after a failed step failed")
-            self.send(RequestsFailed(ids, f"the engine step failed: {_one_line(e)}"))
+            cause = _one_line(e.__cause__ or e)
+            logger.error("engine step failed (%d in a row): %s; failed its %d request(s)",
+                         self._failures, cause, len(e.request_ids), exc_info=e.__cause__)
+            self.send(RequestsFailed(e.request_ids, f"the engine step failed: {cause}"))
             if self._failures >= MAX_CONSECUTIVE_STEP_FAILURES:
-                self.send(EngineCoreFatal(f"{self._failures} engine steps failed in a row; "
-                                          f"last: {_one_line(e)}"))
-                return False
+                return self._give_up(f"{self._failures} engine steps failed in a row; "
+                                     f"last: {cause}")
             return True
+        except Exception as e:  # NOTE: schedule() or the rollback: the state is unknown
+            logger.exception("the engine core's bookkeeping failed")
+            return self._give_up(f"the engine core's bookkeeping failed: {_one_line(e)}")
         self._failures = 0
         if outputs is not None:
             outputs.stats = self.core.get_stats()
             self.send(outputs)
         return True
+
+    def _give_up(self, why: str) -> bool:
+        """Fail every request still in the core and report :class:`EngineCoreFatal`."""
+        ids = self.core.request_ids()
+        if ids:
+            self.send(RequestsFailed(ids, f"the engine can no longer step: {why}"))
+        self.send(EngineCoreFatal(why))
+        return False
 
 
 def _one_line(e: BaseException) -> str:
@@ -250,6 +258,11 @@ def _start(config_json: str) -> tuple[EngineCore, EngineCoreReady]:
 
     apply_torch_threads(threads, source)
     core = EngineCore(config)
+    if os.environ.get("NYBBLE_TEST_FAULTS"):  # NOTE: the reliability tests only
+        from nybble.runtime.fault_injection import FAULTS_ENV, install_faults
+
+        install_faults(core, os.environ[FAULTS_ENV])
+        logger.warning("test fault injection is on: %s=%s", FAULTS_ENV, os.environ[FAULTS_ENV])
     folder = config.model_config.tokenizer_folder
     tokenizer_json = None
     if not has_tokenizer_file(folder):

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from nybble.config import EngineConfig
+from nybble.errors import EngineStepError
 from nybble.models.loader import LoadedModel
 from nybble.outputs import RequestOutput
 from nybble.runtime.engine_core import EngineCore
@@ -114,7 +115,11 @@ class LLMEngine:
         """
         self.output_processor.check_new(request.request_id)
         self.engine_core.add_request(request)
-        self.output_processor.add_request(request, prompt)
+        try:
+            self.output_processor.add_request(request, prompt)
+        except BaseException:  # NOTE: all or nothing: the core forgets it too
+            self.engine_core.abort_requests([request.request_id])
+            raise
 
     def abort_request(self, request_id: str | Sequence[str]) -> None:
         """Stop requests now; their KV blocks are freed at once. Unknown ids are ignored."""
@@ -130,8 +135,19 @@ class LLMEngine:
     # ----------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
         """Run one iteration: schedule -> execute -> update -> detokenize. Returns a cumulative
-        :class:`RequestOutput` for every request that produced tokens in this step."""
-        core_outputs = self.engine_core.step()
+        :class:`RequestOutput` for every request that produced tokens in this step.
+
+        Raises:
+            EngineStepError: the step failed; the requests of its batch
+                (``error.request_ids``) were aborted and are forgotten, the others go on
+                with the next :meth:`step`.
+        """
+        try:
+            core_outputs = self.engine_core.step()
+        except EngineStepError as e:
+            for rid in e.request_ids:
+                self.output_processor.abort_request(rid)
+            raise
         if core_outputs is None:
             return []
         outputs, stopped = self.output_processor.process_outputs(core_outputs)

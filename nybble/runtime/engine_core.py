@@ -16,8 +16,10 @@ import numpy as np
 import torch
 
 from nybble.config import EngineConfig, check_model_dir
+from nybble.errors import EngineStepError
 from nybble.kernels import get_attention_backend
 from nybble.models.loader import LoadedModel, load_model
+from nybble.runtime.batch import ScheduledBatch
 from nybble.runtime.kv_cache import plan_kv_cache
 from nybble.runtime.messages import (
     EngineCoreOutputs,
@@ -69,6 +71,10 @@ class EngineCore:
         self.device = _resolve_device(mc.device)
         backend = get_attention_backend(config.attention_backend, self.device)
         self.loaded: LoadedModel = load_model(mc, backend, self.device)
+        vocab = self.loaded.shape.vocab_size
+        if mc.max_logprobs > vocab:
+            raise ValueError(f"max_logprobs must be <= {vocab} (the model's vocabulary), got "
+                             f"{mc.max_logprobs}")
         self.kv_spec = plan_kv_cache(config.cache_config, self.loaded.shape, self.loaded.dtype,
                                      self.device)
         self.runner = ModelRunner(self.loaded, self.kv_spec, self.device, config)
@@ -86,6 +92,7 @@ class EngineCore:
         self._last_ids = np.zeros(0, np.int64)      # the last step's sequences and seq_lens
         self._last_lens = np.zeros(0, np.int32)
         self._last_finished: list[int] = []
+        self._pending: ScheduledBatch | None = None  # scheduled, not yet taken by update()
         self._log_start_up()
 
     def _log_start_up(self) -> None:
@@ -100,6 +107,14 @@ class EngineCore:
                     spec.block_size, spec.bytes_per_block,
                     spec.total_bytes / 2**20, self.max_model_len,
                     "on" if self.config.cache_config.enable_prefix_caching else "off")
+        pool_tokens = spec.num_blocks * spec.block_size
+        if pool_tokens < self.max_model_len:
+            logger.warning("the KV cache holds %d tokens (%d blocks x %d), fewer than "
+                           "max_model_len %d: a request whose prompt + max_tokens exceeds %d "
+                           "tokens cannot be served (it is refused with a 400); raise "
+                           "--num-gpu-blocks / --kv-cache-memory or lower --max-model-len",
+                           pool_tokens, spec.num_blocks, spec.block_size, self.max_model_len,
+                           pool_tokens)
 
     def request_limits(self) -> RequestLimits:
         """What the request gate checks requests against."""
@@ -111,15 +126,24 @@ class EngineCore:
 
     # ----------------------------------------------------------------- requests
     def add_request(self, request: EngineCoreRequest) -> None:
-        """Queue a validated request; all or nothing (a failure leaves no trace)."""
+        """Queue a validated request; all or nothing (a failure leaves no trace).
+
+        Every conversion that can fail happens before any state changes; the two stateful
+        parts (sampling rows, then the scheduler) are undone if the second one raises.
+
+        Raises:
+            ValueError: the id is already in the core, or a value the gate should have
+                refused (a bug upstream); nothing is queued then.
+        """
         rid, n = request.request_id, request.params.n
-        assert rid not in self._requests, f"request id {rid!r} is already in the core"
+        if rid in self._requests:
+            raise ValueError(f"request_id must be new to the engine core, got {rid!r} twice")
+        prompt = np.asarray(request.prompt_token_ids, dtype=np.int32)
+        stops = np.asarray(request.stop_token_ids, dtype=np.int32)
         seq_id = self._next_seq_id
-        self.runner.add_request(seq_id, request.params)
         try:
-            self.scheduler.add(seq_id, np.asarray(request.prompt_token_ids, dtype=np.int32),
-                               request.max_tokens,
-                               np.asarray(request.stop_token_ids, dtype=np.int32), n)
+            self.runner.add_request(seq_id, request.params)
+            self.scheduler.add(seq_id, prompt, request.max_tokens, stops, n)
         except BaseException:
             self.runner.remove_sequences(range(seq_id, seq_id + n))
             raise
@@ -148,6 +172,8 @@ class EngineCore:
                 del self._seqs[seq_id]
                 self.scheduler.finish(seq_id, int(FinishReason.ABORTED))
             self.runner.remove_sequences(live)
+            self._last_finished += live
+        self._note_live_tokens()
 
     def stop_samples(self, samples: list[tuple[str, int]]) -> None:
         """Finish samples ``(request_id, index)`` that a stop string ended (``STOPPED``).
@@ -183,14 +209,47 @@ class EngineCore:
 
     # ----------------------------------------------------------------- the step
     def step(self) -> EngineCoreOutputs | None:
-        """One iteration: schedule -> execute -> update. ``None`` when nothing ran."""
+        """One iteration: schedule -> execute -> update. ``None`` when nothing ran.
+
+        Raises:
+            EngineStepError: the step raised after scheduling; the requests of its batch
+                were aborted and rolled back (see :meth:`_roll_back`), every other request
+                is untouched and the core can step again. Any other exception (from
+                ``schedule()`` itself or from the rollback) means the core's bookkeeping can
+                no longer be trusted.
+        """
         batch = self.scheduler.schedule()
         if batch.num_seqs == 0:
             return None
+        self._pending = batch
+        try:
+            return self._run(batch)
+        except BaseException as e:
+            failed = self._roll_back(batch)
+            if not isinstance(e, Exception):  # NOTE: Ctrl-C in LLM.generate: rolled back too
+                raise
+            raise EngineStepError(failed, f"{type(e).__name__}: {e}") from e
+
+    def _roll_back(self, batch: ScheduledBatch) -> list[str]:
+        """After a failed step: hand ``batch`` back to the scheduler if ``update()`` did not
+        take it, and abort every request with a sequence in it (all its samples: KV blocks
+        freed, sampling rows dropped). Returns those request ids."""
+        seq_ids = batch.seq_ids[:batch.num_seqs].tolist()
+        failed = list(dict.fromkeys(self._seqs[s][0] for s in seq_ids if s in self._seqs))
+        if self._pending is batch:
+            self._pending = None
+            self.scheduler.abort_batch(batch)
+        self.abort_requests(failed)
+        logger.error("engine step failed; aborted the %d request(s) of its batch: %s",
+                     len(failed), failed)
+        return failed
+
+    def _run(self, batch: ScheduledBatch) -> EngineCoreOutputs:
         outputs = EngineCoreOutputs(scheduled_time=time.monotonic())
         self._note_scheduled(batch.seq_ids, outputs)
         result = self.runner.execute(batch)
         seq_ids, tokens, finish = self.scheduler.update(batch, result.token_ids)
+        self._pending = None
         # NOTE: plain lists: the message crosses a process boundary, and the API process
         # does not import numpy
         outputs.token_ids, outputs.finish_reasons = tokens.tolist(), finish.tolist()

@@ -4,11 +4,12 @@ A request enters as a prompt (text or token ids) and a :class:`SamplingParams`; 
 an :class:`EngineCoreRequest` that the engine core trusts, or as one
 :class:`InvalidRequestError` whose ``param`` names the offending parameter (the server turns it
 into a 400 with an OpenAI error body). The gate resolves ``max_tokens=None`` to the rest of
-the context of *this* prompt and checks, in order:
+the context of *this* prompt, turns a ``top_p`` too small for float32 (:data:`FLOAT32_TINY`)
+into greedy sampling, and checks, in order:
 
 1. every sampling range (``n``, ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``,
    ``max_tokens``, ``logprobs`` against ``max_logprobs`` and the vocabulary, ``stop``,
-   ``stop_token_ids`` in the vocabulary);
+   ``stop_token_ids`` in the vocabulary; the table is in docs/serving.md);
 2. the prompt: non-empty, every id in the vocabulary;
 3. prompt + ``max_tokens`` within ``max_model_len`` (one message, naming both numbers);
 4. ``n`` within ``max_num_seqs`` (the samples of a request run in one batch);
@@ -21,7 +22,6 @@ loop, before the engine thread sees the request) and, later, in the API server p
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,9 +29,16 @@ from dataclasses import dataclass
 from nybble.errors import InvalidRequestError, KVCacheExhaustedError
 from nybble.runtime.messages import EngineCoreRequest, RequestLimits
 from nybble.runtime.tokenizer import Tokenizer
-from nybble.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, sample_seed
+from nybble.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
 
-__all__ = ["DEFAULT_NAMES", "InputProcessor", "ParamNames", "RequestLimits"]
+__all__ = ["DEFAULT_NAMES", "FLOAT32_TINY", "InputProcessor", "ParamNames", "RequestLimits"]
+
+FLOAT32_MAX = 3.4028234663852886e38
+"""float32's largest finite value: the sampler computes in float32."""
+FLOAT32_TINY = 1.1754943508222875e-38
+"""float32's smallest normal value. A ``top_p`` below it would round to zero (or to a
+denormal that GPUs flush to zero) and drop every token; the gate treats such a ``top_p`` as
+its limit, greedy sampling (``top_p -> 0`` keeps only the most likely token)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,9 +112,12 @@ class InputProcessor:
         stop_ids = list(params.stop_token_ids or [])
         if not params.ignore_eos:
             stop_ids += [t for t in self.eos_token_ids if t not in stop_ids]
+        changes: dict[str, object] = {"max_tokens": max_tokens}
+        if params.temperature > 0 and params.top_p < FLOAT32_TINY:
+            changes["temperature"] = 0.0  # NOTE: it would round to 0 in the sampler
         return EngineCoreRequest(
             request_id=request_id, prompt_token_ids=ids,
-            params=dataclasses.replace(params, max_tokens=max_tokens), stop_token_ids=stop_ids,
+            params=dataclasses.replace(params, **changes), stop_token_ids=stop_ids,
             arrival_time=arrival_time if arrival_time is not None else time.monotonic())
 
     def check_token_ids(self, ids: Sequence[int], param: str, allow_empty: bool = False) -> None:
@@ -132,8 +142,9 @@ class InputProcessor:
         """
         if not _is_int(p.n) or p.n < 1:
             raise _fail("n", "an integer >= 1", p.n)
-        if not _is_real(p.temperature) or not math.isfinite(p.temperature) or p.temperature < 0:
-            raise _fail("temperature", "a finite number >= 0", p.temperature)
+        if not _is_real(p.temperature) or not 0 <= p.temperature <= FLOAT32_MAX:
+            raise _fail("temperature", f"a finite number >= 0 (at most {FLOAT32_MAX:.7g}, "
+                        f"float32's largest)", p.temperature)
         if not _is_real(p.top_p) or not 0 < p.top_p <= 1:  # NOTE: NaN fails every comparison
             raise _fail("top_p", "in (0, 1]", p.top_p)
         if not _is_int(p.top_k) or not -1 <= p.top_k <= self.limits.vocab_size:
@@ -141,12 +152,8 @@ class InputProcessor:
                         f"{self.limits.vocab_size}] (the vocabulary)", p.top_k)
         if not _is_real(p.min_p) or not 0 <= p.min_p <= 1:
             raise _fail("min_p", "in [0, 1]", p.min_p)
-        if p.seed is not None:
-            top = SEED_MAX - sample_seed(0, p.n - 1)  # sample n-1's seed must fit as well
-            if not _is_int(p.seed) or not SEED_MIN <= p.seed <= top:
-                why = f" (a 64-bit seed, less sample {p.n - 1}'s offset)" if p.n > 1 else \
-                    " (a 64-bit seed)"
-                raise _fail("seed", f"an integer in [{SEED_MIN}, {top}]{why}", p.seed)
+        if p.seed is not None and (not _is_int(p.seed) or not SEED_MIN <= p.seed <= SEED_MAX):
+            raise _fail("seed", f"an integer in [{SEED_MIN}, {SEED_MAX}] (-1: no seed)", p.seed)
         if p.max_tokens is not None and (not _is_int(p.max_tokens) or p.max_tokens < 1):
             raise _fail(names.max_tokens, ">= 1", p.max_tokens)
         if p.logprobs is not None:

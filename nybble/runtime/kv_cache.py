@@ -7,6 +7,7 @@ One tensor per layer, ``[2, num_blocks, block_size, num_kv_heads, head_dim]``: i
 from __future__ import annotations
 
 import mmap
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -57,13 +58,16 @@ def plan_kv_cache(cache: CacheConfig, shape: ModelShape, dtype: torch.dtype,
     (after the weights are loaded) on CUDA.
 
     Raises:
-        ValueError: the budget is smaller than one block.
+        ValueError: the budget is smaller than one block, or the pool (``num_gpu_blocks``
+            blocks, or the ``kv_cache_memory`` budget) needs more bytes than the device has
+            (:func:`_memory_limit`).
     """
     geometry = (shape.num_layers, shape.num_kv_heads, shape.head_dim)
     spec = KVCacheSpec(*geometry, dtype, cache.block_size, 1)
     if cache.num_gpu_blocks is not None:
-        num_blocks = cache.num_gpu_blocks
+        num_blocks, flag = cache.num_gpu_blocks, "num_gpu_blocks"
     else:
+        flag = "kv_cache_memory"
         budget = cache.kv_cache_memory
         if budget is None:
             if device.type == "cuda":
@@ -75,7 +79,23 @@ def plan_kv_cache(cache: CacheConfig, shape: ModelShape, dtype: torch.dtype,
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory must hold at least one block "
                              f"({spec.bytes_per_block} bytes), got {budget} bytes")
+    need, (have, where) = num_blocks * spec.bytes_per_block, _memory_limit(device)
+    if need > have:
+        raise ValueError(f"{flag} must fit in memory: {num_blocks} blocks x "
+                         f"{spec.bytes_per_block} bytes = {need} bytes of KV cache, but "
+                         f"{where} is {have} bytes (at most {have // spec.bytes_per_block} "
+                         f"blocks)")
     return KVCacheSpec(*geometry, dtype, cache.block_size, num_blocks)
+
+
+def _memory_limit(device: torch.device) -> tuple[int, str]:
+    """``(bytes, what)``: the most a KV pool on ``device`` can take -- the free memory of a
+    GPU (after the weights), or the machine's physical memory on the CPU (the pool's pages
+    are mapped lazily, so free memory at start-up is not the limit)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free), f"the free memory of {device}"
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's memory"
 
 
 def allocate_kv_cache(spec: KVCacheSpec, device: torch.device) -> list[torch.Tensor]:
@@ -86,11 +106,20 @@ def allocate_kv_cache(spec: KVCacheSpec, device: torch.device) -> list[torch.Ten
     ``mmap`` (not ``malloc``, which the CPU runner tells to reuse freed heap memory): the OS
     maps its zero pages lazily, so start-up does not touch the whole pool, resident memory
     grows with the blocks actually written, and freeing the cache returns it to the OS.
+
+    Raises:
+        ValueError: the allocation failed for lack of memory (one line, naming the bytes).
     """
     shape = (2, spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
     np_dtype = {torch.float32: np.float32, torch.float16: np.float16}.get(spec.dtype)
-    if device.type == "cpu" and np_dtype is not None:
-        nbytes = int(np.prod(shape)) * np.dtype(np_dtype).itemsize
-        return [torch.from_numpy(np.frombuffer(mmap.mmap(-1, nbytes), dtype=np_dtype)
-                                 .reshape(shape)) for _ in range(spec.num_layers)]
-    return [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+    try:
+        if device.type == "cpu" and np_dtype is not None:
+            nbytes = int(np.prod(shape)) * np.dtype(np_dtype).itemsize
+            return [torch.from_numpy(np.frombuffer(mmap.mmap(-1, nbytes), dtype=np_dtype)
+                                     .reshape(shape)) for _ in range(spec.num_layers)]
+        return [torch.zeros(shape, dtype=spec.dtype, device=device)
+                for _ in range(spec.num_layers)]
+    except (MemoryError, OSError, torch.OutOfMemoryError) as e:  # NOTE: one line for the user
+        raise ValueError(f"the KV cache ({spec.num_blocks} blocks, {spec.total_bytes} bytes) "
+                         f"must fit in memory, but allocating it on {device} failed; lower "
+                         f"--num-gpu-blocks or --kv-cache-memory") from e

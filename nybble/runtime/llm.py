@@ -71,6 +71,8 @@ class LLM:
 
         Raises:
             InvalidRequestError: a prompt or parameter is invalid (nothing is run then).
+            EngineStepError: an engine step failed for some of these requests; the others
+                are aborted too, and the engine stays usable.
         """
         items = _normalise(prompts)
         if sampling_params is None:
@@ -81,20 +83,20 @@ class LLM:
             raise ValueError(f"sampling_params must be one or {len(items)} items, got "
                              f"{len(params)}")
         engine = self.llm_engine
-        ids = []
+        ids: list[str] = []
+        final: dict[str, RequestOutput] = {}
         try:
             for prompt, p in zip(items, params):
                 ids.append(str(self._counter))
                 self._counter += 1
                 engine.add_request(ids[-1], prompt, p)
-        except Exception:
-            engine.abort_request(ids)
+            with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:
+                while engine.has_unfinished_requests():
+                    for out in engine.step():
+                        if out.finished:
+                            final[out.request_id] = out
+                            bar.update(1)
+        except BaseException:  # NOTE: a bad request, a failed step or Ctrl-C: end them all
+            engine.abort_request([i for i in ids if i not in final])
             raise
-        final: dict[str, RequestOutput] = {}
-        with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    if out.finished:
-                        final[out.request_id] = out
-                        bar.update(1)
         return [final[i] for i in ids]

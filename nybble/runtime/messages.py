@@ -209,14 +209,17 @@ class UtilityResult(msgspec.Struct, tag=True):
 
 
 class RequestsFailed(msgspec.Struct, tag=True):
-    """Requests the core dropped after an error (they got no more tokens)."""
+    """Requests the core dropped after an error (they got no more tokens): the requests of a
+    failed step's batch, a request whose admission failed, or every request left when the
+    core gives up."""
 
     request_ids: list[str]
     message: str
 
 
 class EngineCoreFatal(msgspec.Struct, tag=True):
-    """The core can no longer step (repeated step failures) and exits after this."""
+    """The core can no longer step (repeated step failures, or its own bookkeeping failed)
+    and exits after this."""
 
     message: str
 

@@ -1,7 +1,10 @@
 """OutputProcessor: the engine core's token ids -> text, stop strings and RequestOutputs.
 
 It keeps one :class:`Request` per request (per-sample detokenizer and output state) and turns
-each step's :class:`EngineCoreOutputs` into cumulative :class:`RequestOutput` snapshots. A
+each step's :class:`EngineCoreOutputs` into :class:`RequestOutput` objects: cumulative
+snapshots (the offline engine's, vLLM's ``CUMULATIVE``), or deltas holding only what each
+sample gained in the step (the server's, vLLM's ``DELTA``: nothing already sent is copied
+again, so the work and memory per step do not grow with the output's length). A
 sample whose text reaches a stop string is reported back, so the caller finishes it in the
 engine core (vLLM V1's output processor does the same with its aborts).
 
@@ -25,10 +28,13 @@ class OutputProcessor:
 
     Args:
         tokenizer: the model's tokenizer (detokenization).
+        delta: produce delta outputs (:meth:`Request.take_delta`) instead of cumulative
+            snapshots.
     """
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, delta: bool = False) -> None:
         self.tokenizer = tokenizer
+        self.delta = delta
         self.requests: dict[str, Request] = {}
 
     def check_new(self, request_id: str) -> None:
@@ -46,7 +52,8 @@ class OutputProcessor:
         """Forget a request; its unfinished samples end with ``"abort"``.
 
         Returns:
-            Its final snapshot (``finished``), or ``None`` if it was not in flight.
+            Its final output (``finished``; in delta mode the samples it ended), or ``None``
+            if it was not in flight.
         """
         request = self.requests.pop(request_id, None)
         if request is None:
@@ -54,10 +61,14 @@ class OutputProcessor:
         for sample in request.samples:
             if sample.output.finish_reason is None:
                 sample.output.finish_reason = FINISH_REASON_OPENAI[FinishReason.ABORTED]
+                request.changed.add(sample.output.index)
         request.num_finished = len(request.samples)
         request.metrics.finished_time = time.monotonic()
         request.new_tokens = 0
-        return request.to_output()
+        return self._output(request)
+
+    def _output(self, request: Request) -> RequestOutput:
+        return request.take_delta() if self.delta else request.to_output()
 
     def has_unfinished_requests(self) -> bool:
         """Whether any request still has a running sample."""
@@ -68,8 +79,8 @@ class OutputProcessor:
         """Apply one step's tokens.
 
         Returns:
-            ``(outputs, stopped)``: a cumulative :class:`RequestOutput` per request that got
-            tokens, and the ``(request_id, sample_index)`` samples a stop string ended in
+            ``(outputs, stopped)``: a :class:`RequestOutput` (cumulative, or a delta) per
+            request that got tokens, and the ``(request_id, sample_index)`` samples a stop string ended in
             this step, which the engine core must finish (reason ``STOPPED``).
         """
         now = time.monotonic()
@@ -109,6 +120,7 @@ class OutputProcessor:
             m.first_token_time = m.first_token_time or now
             m.last_token_time = now
             request.new_tokens += 1
+            request.changed.add(index)
             if reason != FinishReason.NONE:
                 out.finish_reason = FINISH_REASON_OPENAI[reason]
                 request.num_finished += 1
@@ -118,7 +130,7 @@ class OutputProcessor:
             if request.finished:
                 request.metrics.finished_time = now
                 self.requests.pop(request.request_id, None)
-            outputs.append(request.to_output())
+            outputs.append(self._output(request))
             request.new_tokens = 0
         return outputs, stopped
 

@@ -222,9 +222,7 @@ class ReferenceScheduler:
 
     def update(self, batch: ScheduledBatch, sampled) -> tuple[np.ndarray, ...]:
         """Apply a step's results; returns (seq_ids int64, tokens int32, finish int8)."""
-        if batch is not self._inflight:
-            raise ValueError("`batch` must be the batch returned by the last schedule() and "
-                             "not yet updated, got a stale or foreign batch")
+        self._check_pending(batch)
         sampled = np.asarray(sampled, dtype=np.int32)
         if sampled.shape != (len(self._samples),):
             raise ValueError(f"`sampled` must have shape ({len(self._samples)},), "
@@ -255,6 +253,20 @@ class ReferenceScheduler:
         self.running = [s for s in self.running if s.status == "running"]
         return (np.array([s.seq_id + i for s, i in self._samples], np.int64), sampled.copy(),
                 np.array(finish, np.int8))
+
+    def abort_batch(self, batch: ScheduledBatch) -> np.ndarray:
+        """Give up on the in-flight batch: finish every sequence it holds; its seq ids."""
+        self._check_pending(batch)
+        self._inflight = None
+        ids = np.array([s.seq_id for s in self._rows], np.int64)
+        for seq_id in ids.tolist():
+            self.finish(seq_id, FinishReason.ABORTED)
+        return ids
+
+    def _check_pending(self, batch: ScheduledBatch) -> None:
+        if self._inflight is None or batch is not self._inflight:
+            raise ValueError("`batch` must be the batch returned by the last schedule() and "
+                             "not yet updated, got a stale or foreign batch")
 
     def _fork(self, parent: ReferenceSequence, i: int) -> ReferenceSequence | None:
         """Sibling ``i`` of a group whose prompt completed: a copy after this step that

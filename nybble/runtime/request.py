@@ -50,6 +50,7 @@ class Request:
     metrics: RequestMetrics
     num_finished: int = 0
     new_tokens: int = field(default=0)
+    changed: set[int] = field(default_factory=set)   # samples with news since the last delta
 
     @classmethod
     def create(cls, request_id: str, prompt: str | None, prompt_ids: list[int],
@@ -77,5 +78,26 @@ class Request:
                                  logprobs=None if s.output.logprobs is None
                                  else list(s.output.logprobs),
                                  stop_reason=s.output.stop_reason) for s in self.samples]
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs,
+                             self.finished, self.metrics, self.new_tokens)
+
+    def take_delta(self) -> RequestOutput:
+        """A DELTA :class:`RequestOutput`: for each sample in :attr:`changed`, the text, token
+        ids and logprobs gained since the previous delta, and its finish reason once set.
+
+        NOTE: the lists are handed over, not copied, and the samples' outputs start empty
+        again, so a request's output state never grows with what was already sent (see
+        :meth:`RequestOutput.add` to merge deltas).
+        """
+        outs = []
+        for index in sorted(self.changed):
+            o = self.samples[index].output
+            outs.append(CompletionOutput(index=o.index, text=o.text, token_ids=o.token_ids,
+                                         finish_reason=o.finish_reason, logprobs=o.logprobs,
+                                         stop_reason=o.stop_reason))
+            o.text, o.token_ids = "", []
+            if o.logprobs is not None:
+                o.logprobs = []
+        self.changed.clear()
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs,
                              self.finished, self.metrics, self.new_tokens)

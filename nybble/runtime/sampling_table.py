@@ -104,17 +104,20 @@ class SamplingTable:
         gens = [None if seed is None else
                 torch.Generator(device=self.device).manual_seed(sample_seed(seed, i))
                 for i in range(params.n)]
-        if len(self._free) < params.n:
-            self._grow(max(2 * len(self._gens), len(self._slot) + params.n))
+        # NOTE: every conversion that can raise comes before the first change (all or nothing)
         values = {"temperature": params.temperature, "top_p": params.top_p,
                   "top_k": min(params.top_k, self.vocab_size) if params.top_k > 0 else -1,
                   "min_p": params.min_p}
+        values = {name: _COLUMNS[name](value) for name, value in values.items()}
+        num_logprobs = np.int32(-1 if params.logprobs is None else params.logprobs)
+        if len(self._free) < params.n:
+            self._grow(max(2 * len(self._gens), len(self._slot) + params.n))
         for seq_id, gen in zip(ids, gens):
             row = self._free.pop()
             self._slot[seq_id] = row
             for name, value in values.items():
                 self._host[name][row] = value
-            self._logprobs[row] = -1 if params.logprobs is None else params.logprobs
+            self._logprobs[row] = num_logprobs
             self._gens[row] = gen
             self._num_seeded += gen is not None
             self._num_random += params.temperature > 0

@@ -30,7 +30,8 @@ frees sequences in the same step.
 A request whose ``min(prompt + max_tokens, max_model_len)`` tokens need more blocks than the
 pool holds is rejected in :meth:`Scheduler.add` (KVCacheExhaustedError), so the oldest running
 sequence always fits alone and the scheduler never deadlocks. Contract: every non-empty batch
-from :meth:`schedule` is passed to :meth:`update` before the next :meth:`schedule`.
+from :meth:`schedule` is passed to :meth:`update` (or, when its step failed, to
+:meth:`abort_batch`) before the next :meth:`schedule`.
 :mod:`nybble.runtime.reference_scheduler` is the same rule in plain Python (the tests' oracle).
 """
 from libc.stdint cimport int32_t, int64_t
@@ -244,9 +245,7 @@ cdef class Scheduler:
             ValueError: ``batch`` is not the pending batch, or ``sampled`` has the wrong shape.
             RuntimeError: the block bookkeeping is corrupt (a bug).
         """
-        if self._inflight is None or batch is not self._inflight:
-            raise ValueError("`batch` must be the batch returned by the last schedule() and "
-                             "not yet updated, got a stale or foreign batch")
+        self._check_pending(batch)
         arr = np.ascontiguousarray(sampled, dtype=np.int32)
         cdef int32_t S = self._batch.num_sampled
         if arr.ndim != 1 or arr.shape[0] != S:
@@ -255,6 +254,32 @@ cdef class Scheduler:
         ids, tokens, finish = np.empty(S, np.int64), np.empty(S, np.int32), np.empty(S, np.int8)
         self._seqs.apply_step(self._batch, arr, ids, tokens, finish)
         return ids, tokens, finish
+
+    def _check_pending(self, batch) -> None:
+        if self._inflight is None or batch is not self._inflight:
+            raise ValueError("`batch` must be the batch returned by the last schedule() and "
+                             "not yet updated, got a stale or foreign batch")
+
+    def abort_batch(self, batch):
+        """Give up on the in-flight ``batch`` (its step raised before :meth:`update`): every
+        sequence it holds is finished (ABORTED: out of its queue, blocks freed) and the batch
+        is forgotten, so the next :meth:`schedule` starts from a consistent state. Blocks
+        written by the failed step are never registered in the prefix cache (that happens
+        in ``update``). Sequences outside the batch are untouched.
+
+        Returns:
+            int64[B] the seq ids of the batch's rows (an unforked group went as a whole).
+
+        Raises:
+            ValueError: ``batch`` is not the pending batch.
+            RuntimeError: the block bookkeeping is corrupt (a bug).
+        """
+        self._check_pending(batch)
+        ids = np.array(batch.seq_ids[:batch.num_seqs], dtype=np.int64)
+        self._inflight = None
+        for seq_id in ids.tolist():
+            self._seqs.finish(seq_id)
+        return ids
 
     def finish(self, int64_t seq_id, int reason) -> None:
         """Finish ``seq_id`` now (:class:`FinishReason` STOPPED for a stop string, LENGTH, or

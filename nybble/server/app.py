@@ -4,10 +4,12 @@
 ``app.state.startup``) holds the requests that need the engine until the handshake arrived
 and :func:`attach_engine` made the :class:`ServerState`. The lifespan's shutdown ends the
 requests still in flight and stops the engine-core process. Routers come from
-``completions``, ``chat`` and ``routes_misc``.
+``completions``, ``chat`` and ``routes_misc``; the request body limit and the 500 answers
+from ``middleware``; the OpenAPI document from ``openapi``.
 """
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -18,6 +20,8 @@ from nybble.server import chat, completions, routes_misc
 from nybble.server.config import ServerConfig
 from nybble.server.errors import install_error_handlers
 from nybble.server.metrics import ServerMetrics
+from nybble.server.middleware import BodyLimitMiddleware, InternalErrorMiddleware
+from nybble.server.openapi import install_openapi
 from nybble.server.state import ServerState, Startup
 from nybble.version import __version__
 
@@ -41,12 +45,17 @@ def build_app(config: ServerConfig, metrics: ServerMetrics) -> FastAPI:
             startup.failed("the server is shutting down")
             if startup.state is not None:
                 await startup.state.engine.shutdown()
+                startup.state.executor.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="nybble", version=__version__, lifespan=lifespan)
     app.state.startup = startup
     app.state.server_config = config
     app.state.metrics = metrics
     install_error_handlers(app)
+    # NOTE: the last added is the outermost: 500s for anything, then the body limit
+    app.add_middleware(BodyLimitMiddleware, limit=config.max_request_body_bytes)
+    app.add_middleware(InternalErrorMiddleware)
+    install_openapi(app)
     app.include_router(completions.router)
     app.include_router(chat.router)
     app.include_router(routes_misc.v1_router)
@@ -57,6 +66,10 @@ def build_app(config: ServerConfig, metrics: ServerMetrics) -> FastAPI:
 def attach_engine(app: FastAPI, state: ServerState) -> None:
     """Start serving ``state.engine`` (its core is ready): requests held until now proceed."""
     state.engine.start()
+    # NOTE: the start-up objects (web stack, schemas, tokenizer) never die: moved out of the
+    # collector's sight, so its full collections, which hold the GIL, stay short under load
+    gc.collect()
+    gc.freeze()
     startup: Startup = app.state.startup
     startup.ready(state)
     logger.info("serving %s at %s/v1 (OpenAI API; also /health, /metrics)",

@@ -1,19 +1,27 @@
-"""API-key check for the ``/v1`` routes (``--api-key`` or ``$NYBBLE_API_KEY``).
+"""API-key check (``--api-key`` or ``$NYBBLE_API_KEY``).
 
-Like vLLM, only ``/v1/*`` is protected; ``/health``, ``/metrics``, ``/version``,
-``/tokenize`` and ``/detokenize`` stay open for probes and scrapers.
+The key protects every route that serves the model or reveals its state: ``/v1/*``,
+``/tokenize``, ``/detokenize`` (they run the tokenizer on the caller's input) and
+``/internal/stats``. ``/health``, ``/metrics`` and ``/version`` stay open for probes and
+scrapers. The OpenAPI document declares the bearer scheme on the protected routes.
 """
 from __future__ import annotations
 
 import hmac
+from typing import Annotated
 
-from fastapi import Request
+from fastapi import Request, Security
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from nybble.server.config import ServerConfig
 from nybble.server.errors import AuthenticationError
 
+_BEARER = HTTPBearer(auto_error=False, description="the server's --api-key, when it has one")
 
-async def require_api_key(request: Request) -> None:
+
+async def require_api_key(
+        request: Request,
+        _: Annotated[HTTPAuthorizationCredentials | None, Security(_BEARER)]) -> None:
     """FastAPI dependency: accept ``Authorization: Bearer <key>`` when a key is configured.
 
     Raises:
@@ -24,7 +32,7 @@ async def require_api_key(request: Request) -> None:
     if not expected:
         return
     header = request.headers.get("authorization", "")
-    scheme, _, given = header.partition(" ")
+    scheme, _sep, given = header.partition(" ")
     if scheme.lower() != "bearer" or not given:
         raise AuthenticationError("missing API key: send 'Authorization: Bearer <key>'")
     # NOTE: constant-time comparison, so response timing does not leak the key

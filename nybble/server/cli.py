@@ -4,8 +4,10 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from nybble.engine_args import add_engine_args
-from nybble.server.config import API_KEY_ENV
+from nybble.engine_args import _parse_bytes, add_engine_args
+from nybble.server.config import API_KEY_ENV, DEFAULT_MAX_REQUEST_BODY_BYTES, ServerConfig
+
+_DEFAULTS = ServerConfig()
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -17,13 +19,42 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         help="model name the API reports and accepts (default: the model "
                              "folder's name)")
     parser.add_argument("--api-key", default=None,
-                        help="require 'Authorization: Bearer <key>' on /v1 routes "
-                             f"(default: ${API_KEY_ENV} if set, else no key)")
+                        help="require 'Authorization: Bearer <key>' on /v1/*, /tokenize, "
+                             "/detokenize and /internal/stats; /health, /metrics and /version "
+                             f"stay open (default: ${API_KEY_ENV} if set, else no key)")
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"],
                         help="uvicorn's log level (info logs every request)")
     parser.add_argument("--stats-interval", type=float, default=5.0,
                         help="seconds between stats lines in the log while busy")
+    limits = parser.add_argument_group(
+        "request and connection limits",
+        "what one client can make the server hold (see README, 'Limits')")
+    limits.add_argument("--max-request-body-bytes", type=_parse_bytes,
+                        default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                        help="larger request bodies are refused with 413 before they are "
+                             "read (bytes, or e.g. 16MiB; default: 2MiB)")
+    limits.add_argument("--max-num-waiting-requests", type=int,
+                        default=_DEFAULTS.max_num_waiting_requests,
+                        help="admission control: while this many requests wait for their "
+                             "first engine step, new ones get 503 with Retry-After "
+                             "(default: %(default)s)")
+    limits.add_argument("--max-seqs-per-request", type=int,
+                        default=_DEFAULTS.max_seqs_per_request,
+                        help="most prompts x n in one request; more is a 400 "
+                             "(default: %(default)s)")
+    limits.add_argument("--timeout-keep-alive", type=float,
+                        default=_DEFAULTS.timeout_keep_alive_s,
+                        help="seconds an idle connection is kept open, between requests or "
+                             "before its first (uvicorn's keep-alive timeout; default: "
+                             "%(default)s)")
+    limits.add_argument("--limit-concurrency", type=int, default=_DEFAULTS.limit_concurrency,
+                        help="uvicorn answers new requests with a plain 503 while this many "
+                             "connections are open or requests in flight (default: "
+                             "%(default)s; the open-file limit is raised to fit)")
+    limits.add_argument("--api-threads", type=int, default=_DEFAULTS.api_threads,
+                        help="worker threads of the API process for tokenization, chat "
+                             "templates and logprob rendering (default: %(default)s)")
 
 
 def register(subparsers: Any) -> None:

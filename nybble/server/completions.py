@@ -4,13 +4,14 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from nybble.outputs import RequestOutput
+from nybble.outputs import CompletionOutput, RequestOutput
 from nybble.runtime.input_processor import DEFAULT_NAMES
 from nybble.server.auth import require_api_key
-from nybble.server.logprobs import TokenDecoder, completion_logprobs
+from nybble.server.logprobs import SampleDecoder, completion_logprobs
+from nybble.server.openapi import generation_responses
 from nybble.server.protocol import CompletionRequest
 from nybble.server.responses import CompletionChoice, CompletionResponse, UsageInfo
-from nybble.server.serving import arrival, new_id, sampling_params, serve
+from nybble.server.serving import arrival, json_response, new_id, sampling_params, serve
 from nybble.server.state import ServerState, get_state, wait_ready
 from nybble.server.streams import Delta, sse, usage_of
 
@@ -27,10 +28,14 @@ def prompt_list(req: CompletionRequest) -> list[str | list[int]]:
     return list(prompt)                             # type: ignore[arg-type]
 
 
-@router.post("/v1/completions", response_model=None)
+@router.post("/v1/completions", response_model=None,
+             responses=generation_responses(CompletionResponse, CompletionResponse))
 async def create_completion(req: CompletionRequest,
                             request: Request) -> CompletionResponse | Response:
     """OpenAI completions: one choice per prompt and sample, index ``prompt * n + sample``.
+
+    With ``stream: true`` the answer is server-sent events (``text/event-stream``): one
+    ``text_completion`` JSON object per ``data:`` line, then ``data: [DONE]``.
 
     Raises:
         InvalidRequestError: a bad parameter or a prompt too long for ``max_model_len`` (400).
@@ -39,11 +44,10 @@ async def create_completion(req: CompletionRequest,
     t0 = arrival()
     state = get_state(request)
     state.check_model(req.model)
-    prompts = prompt_list(req)
     params = sampling_params(req, req.max_tokens, req.logprobs)
-    renderer = CompletionRenderer(state, req, new_id("cmpl"), prompts)
+    renderer = CompletionRenderer(state, req, new_id("cmpl"))
     include_usage = req.stream_options is not None and req.stream_options.include_usage
-    return await serve(request, state, renderer, prompts, params, DEFAULT_NAMES, t0, req.stream,
+    return await serve(request, state, renderer, params, DEFAULT_NAMES, t0, req.stream,
                        include_usage)  # type: ignore[return-value]
 
 
@@ -51,23 +55,31 @@ class CompletionRenderer:
     """Completion chunk and response shapes (choice ``prompt_index * n + sample``; with
     ``echo`` the prompt text leads each choice)."""
 
-    def __init__(self, state: ServerState, req: CompletionRequest, request_id: str,
-                 prompts: list[str | list[int]]) -> None:
-        self.state, self.req, self.request_id, self.prompts = state, req, request_id, prompts
-        self.decoder = TokenDecoder(state.tokenizer)
-        self.offsets: dict[int, int] = {}      # choice index -> characters sent (text_offset)
+    def __init__(self, state: ServerState, req: CompletionRequest, request_id: str) -> None:
+        self.state, self.req, self.request_id = state, req, request_id
+        self.logprobs = req.logprobs is not None
+        self._prompts = prompt_list(req)
         self._echo: list[str] | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts."""
+        return self._prompts
 
     def echo_texts(self) -> list[str]:
         """The text each choice starts with: the prompt with ``echo``, else ``""``.
 
-        NOTE: called only after the gate accepted the prompts (token ids are decoded).
+        NOTE: first called on the worker thread once the gate accepted the prompts (token
+        ids are then in the vocabulary and decoded).
         """
         if self._echo is None:
             decode = self.state.tokenizer.decode
             self._echo = [("" if not self.req.echo else p if isinstance(p, str)
-                           else decode(p, skip_special_tokens=True)) for p in self.prompts]
+                           else decode(p, skip_special_tokens=True)) for p in self._prompts]
         return self._echo
+
+    def text_offsets(self) -> list[int]:
+        """Per prompt, the length of its echoed text (``text_offset`` starts there)."""
+        return [len(t) for t in self.echo_texts()]
 
     def _chunk(self, choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
         return sse(CompletionResponse(id=self.request_id, model=self.state.model_name,
@@ -77,40 +89,38 @@ class CompletionRenderer:
         """The echoed prompts, one chunk per choice."""
         events, n = [], self.req.n
         for i, text in enumerate(self.echo_texts()):
-            for j in range(n):
-                self.offsets[i * n + j] = len(text)
-                if text:
-                    events.append(self._chunk([CompletionChoice(index=i * n + j, text=text)]))
+            if text:
+                events.extend(self._chunk([CompletionChoice(index=i * n + j, text=text)])
+                              for j in range(n))
         return events
 
-    def delta_chunk(self, prompt_index: int, out: RequestOutput, delta: Delta) -> str:
+    def delta_chunk(self, prompt_index: int, delta: Delta) -> str:
         """One choice's new text (and logprobs)."""
-        index = prompt_index * self.req.n + delta.output.index
         lp = None
-        if self.req.logprobs is not None and delta.output.logprobs is not None:
-            lp = completion_logprobs(self.decoder, *delta.new_tokens(out.prompt_token_ids),
-                                     self.req.logprobs, self.offsets[index])
-        self.offsets[index] += len(delta.text)
-        return self._chunk([CompletionChoice(index=index, text=delta.text, logprobs=lp,
+        if self.req.logprobs is not None and delta.logprobs:
+            lp = completion_logprobs(delta.decoder, delta.token_ids, delta.logprobs,
+                                     self.req.logprobs)
+        return self._chunk([CompletionChoice(index=prompt_index * self.req.n + delta.index,
+                                             text=delta.text, logprobs=lp,
                                              finish_reason=delta.finish_reason)])  # type: ignore[arg-type]
 
     def usage_chunk(self, usage: UsageInfo) -> str:
         """The usage chunk (empty ``choices``)."""
         return self._chunk([], usage)
 
-    def response(self, finals: list[RequestOutput]) -> CompletionResponse:
-        """The ``text_completion`` object."""
-        echo, n, k = self.echo_texts(), self.req.n, self.req.logprobs
-        choices = []
-        for i, out in enumerate(finals):
-            for o in out.outputs:
-                lp = None
-                if k is not None and o.logprobs is not None:
-                    lp = completion_logprobs(self.decoder, out.prompt_token_ids, o.token_ids,
-                                             o.logprobs, k, len(echo[i]))
-                choices.append(CompletionChoice(
-                    index=i * n + o.index, text=echo[i] + o.text, logprobs=lp,
-                    finish_reason=o.finish_reason))  # type: ignore[arg-type]
-        choices.sort(key=lambda c: c.index)
-        return CompletionResponse(id=self.request_id, model=self.state.model_name,
-                                  choices=choices, usage=usage_of(finals))
+    def response(self, finals: list[RequestOutput]) -> Response:
+        """The ``text_completion`` object (choices built and serialized one at a time)."""
+        head = CompletionResponse(id=self.request_id, model=self.state.model_name, choices=[],
+                                  usage=usage_of(finals))
+        return json_response(head, (self._choice(i, out, o) for i, out in enumerate(finals)
+                                    for o in out.outputs))
+
+    def _choice(self, prompt_index: int, out: RequestOutput,
+                o: CompletionOutput) -> CompletionChoice:
+        echo, k = self.echo_texts()[prompt_index], self.req.logprobs
+        lp = None
+        if k is not None and o.logprobs is not None:
+            decoder = SampleDecoder(self.state.tokenizer, out.prompt_token_ids, len(echo))
+            lp = completion_logprobs(decoder, o.token_ids, o.logprobs, k)
+        return CompletionChoice(index=prompt_index * self.req.n + o.index, text=echo + o.text,
+                                logprobs=lp, finish_reason=o.finish_reason)  # type: ignore[arg-type]

@@ -10,6 +10,11 @@ API_KEY_ENV = "NYBBLE_API_KEY"
 
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
+DEFAULT_MAX_REQUEST_BODY_BYTES = 2 << 20
+"""2 MiB: a whole 128K-token prompt as JSON token ids is about 0.9 MB. Parsing a body holds
+the event loop (``json.loads`` and pydantic hold the GIL): about 40 ms per MiB of token ids
+on the dev machine, so the default keeps ``/health`` under 100 ms during the largest body."""
+
 
 @dataclass(frozen=True)
 class ServerConfig:
@@ -24,6 +29,15 @@ class ServerConfig:
         uvicorn_log_level: uvicorn's log level (``info`` logs each request).
         stats_interval_s: seconds between stats lines in the log while busy.
         log_stats: log the periodic stats line.
+        max_request_body_bytes: larger request bodies get a 413 before they are read.
+        max_num_waiting_requests: admission control: while this many requests wait for
+            their first engine step, new ones get a 503 with ``Retry-After``.
+        max_seqs_per_request: prompts x ``n`` of one request at most (400 beyond).
+        timeout_keep_alive_s: an idle connection (between requests, or before its first)
+            is closed after this many seconds.
+        limit_concurrency: uvicorn answers 503 (plain text) to new requests while this many
+            connections are open or requests are in flight.
+        api_threads: worker threads for tokenization, chat templates and logprob rendering.
 
     Raises:
         ValueError: a value outside its range.
@@ -36,6 +50,12 @@ class ServerConfig:
     uvicorn_log_level: str = "info"
     stats_interval_s: float = 5.0
     log_stats: bool = True
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    max_num_waiting_requests: int = 1024
+    max_seqs_per_request: int = 1024
+    timeout_keep_alive_s: float = 5.0
+    limit_concurrency: int = 4096
+    api_threads: int = 4
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -45,6 +65,13 @@ class ServerConfig:
                              f"got {self.uvicorn_log_level!r}")
         if self.stats_interval_s <= 0:
             raise ValueError(f"stats_interval_s must be > 0, got {self.stats_interval_s!r}")
+        for name in ("max_request_body_bytes", "max_num_waiting_requests",
+                     "max_seqs_per_request", "limit_concurrency", "api_threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        if not self.timeout_keep_alive_s > 0:
+            raise ValueError(f"timeout_keep_alive_s must be > 0, got "
+                             f"{self.timeout_keep_alive_s!r}")
 
     @property
     def url(self) -> str:
@@ -59,4 +86,9 @@ class ServerConfig:
                    api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
                    uvicorn_log_level=args.uvicorn_log_level,
                    stats_interval_s=args.stats_interval,
-                   log_stats=not args.disable_log_stats)
+                   log_stats=not args.disable_log_stats,
+                   max_request_body_bytes=args.max_request_body_bytes,
+                   max_num_waiting_requests=args.max_num_waiting_requests,
+                   max_seqs_per_request=args.max_seqs_per_request,
+                   timeout_keep_alive_s=args.timeout_keep_alive,
+                   limit_concurrency=args.limit_concurrency, api_threads=args.api_threads)

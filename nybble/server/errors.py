@@ -9,15 +9,21 @@ ModelNotFoundError                               404     invalid_request_error /
 AuthenticationError                              401     invalid_request_error / invalid_api_key
 EngineDeadError (engine core gone)               503     service_unavailable
 EngineShutdownError (server shutting down)       503     service_unavailable
+EngineOverloadedError (admission control)        503     service_unavailable + Retry-After
+RequestTooLargeError (body over the limit)       413     invalid_request_error
 EngineRequestError (the engine failed a step)    500     internal_error
 HTTPException (404 route, 405 method, ...)       status  invalid_request_error
-anything else                                    500     internal_error
+anything else                                    500     internal_error (``middleware.py``)
 ===============================================  ======  ==========================
+
+A 500 body never carries internal exception text: a short message, with the details in the
+server log.
 """
 from __future__ import annotations
 
 import json
 import logging
+import uuid
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -28,6 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from nybble.errors import InvalidRequestError, ModelNotFoundError, NybbleError
 from nybble.runtime.async_engine import (
     EngineDeadError,
+    EngineOverloadedError,
     EngineRequestError,
     EngineShutdownError,
 )
@@ -40,34 +47,49 @@ class AuthenticationError(NybbleError):
     """The API key is missing or wrong (HTTP 401)."""
 
 
+class RequestTooLargeError(NybbleError):
+    """The request body is larger than the server accepts (HTTP 413)."""
+
+
 def error_response(status: int, message: str, err_type: str = "invalid_request_error",
-                   param: str | None = None, code: str | int | None = None) -> JSONResponse:
+                   param: str | None = None, code: str | int | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
     """A JSONResponse carrying an OpenAI error body with HTTP ``status``."""
     body = ErrorResponse(error=ErrorInfo(message=message, type=err_type, param=param,
                                          code=code if code is not None else status))
-    return JSONResponse(status_code=status, content=body.body())
+    return JSONResponse(status_code=status, content=body.body(), headers=headers)
 
 
 def error_payload(exc: BaseException) -> tuple[int, dict[str, Any]]:
     """``(status, body)`` for ``exc``, for errors raised inside a stream (sent as an SSE event)."""
-    resp = _response_for(exc)
+    resp = response_for(exc)
     return resp.status_code, json.loads(bytes(resp.body))
 
 
-def _response_for(exc: BaseException) -> JSONResponse:
+def response_for(exc: BaseException) -> JSONResponse:
+    """The OpenAI error response for ``exc`` (unexpected ones: a 500 with a short message and
+    an error id; the traceback is logged with that id)."""
     if isinstance(exc, AuthenticationError):
         return error_response(401, str(exc), code="invalid_api_key")
     if isinstance(exc, ModelNotFoundError):
         return error_response(404, str(exc), param="model", code="model_not_found")
     if isinstance(exc, InvalidRequestError):
         return error_response(400, str(exc), param=exc.param)
+    if isinstance(exc, EngineOverloadedError):
+        return error_response(503, str(exc), err_type="service_unavailable",
+                              headers={"Retry-After": str(exc.retry_after_s)})
     if isinstance(exc, (EngineDeadError, EngineShutdownError)):
         return error_response(503, str(exc), err_type="service_unavailable")
+    if isinstance(exc, RequestTooLargeError):
+        return error_response(413, str(exc))
     if isinstance(exc, EngineRequestError):  # NOTE: the core logged the traceback
-        return error_response(500, str(exc), err_type="internal_error")
-    logger.exception("internal error", exc_info=exc)
-    return error_response(500, f"internal error: {type(exc).__name__}: {exc}",
-                          err_type="internal_error")
+        logger.warning("request failed in the engine: %s", exc)
+        return error_response(500, "the engine failed this request (internal error; see the "
+                                   "server log)", err_type="internal_error")
+    error_id = uuid.uuid4().hex[:12]
+    logger.error("internal error %s", error_id, exc_info=exc)
+    return error_response(500, f"internal server error (error id {error_id}; see the server "
+                               f"log)", err_type="internal_error")
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -78,9 +100,10 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         if err.get("type") == "json_invalid":
             return f"malformed JSON body: {err.get('msg', '')}", None
         where = ".".join(loc) or "body"
-        param = param or (loc[0] if loc else None)
-        if err.get("type") == "value_error" and "error" in err.get("ctx", {}):
-            parts.append(str(err["ctx"]["error"]))  # NOTE: our validators name the field
+        cause = err.get("ctx", {}).get("error") if err.get("type") == "value_error" else None
+        param = param or (loc[0] if loc else getattr(cause, "param", None))
+        if cause is not None:
+            parts.append(str(cause))  # NOTE: our validators name the field
         else:
             parts.append(f"{where}: {err.get('msg', 'invalid value')}")
     return "invalid request: " + "; ".join(parts), param
@@ -90,7 +113,7 @@ def install_error_handlers(app: FastAPI) -> None:
     """Register the exception -> OpenAI error body handlers on ``app``."""
 
     async def on_nybble(_: Request, exc: Exception) -> JSONResponse:
-        return _response_for(exc)
+        return response_for(exc)
 
     async def on_validation(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
@@ -99,9 +122,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def on_http(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
+        if isinstance(exc.__cause__, NybbleError):  # NOTE: FastAPI wraps body-read errors
+            return response_for(exc.__cause__)
         return error_response(exc.status_code, str(exc.detail))
 
     app.add_exception_handler(NybbleError, on_nybble)
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(StarletteHTTPException, on_http)
-    app.add_exception_handler(Exception, on_nybble)

@@ -30,9 +30,11 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from nybble.config import EngineConfig, has_tokenizer_file
+from nybble.oslimits import raise_open_file_limit
 from nybble.runtime.core_client import CoreClient
 from nybble.server.config import ServerConfig
 
@@ -58,6 +60,7 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
         OSError: the port cannot be bound.
     """
     engine_config.model_config.check_folders()
+    raise_open_file_limit(server_config.limit_concurrency + 256)
     # NOTE: bind before starting the core, so a busy port fails at once with one clear line,
     # and the "serving ... at URL" line (logged at app start-up) comes only once it is bound.
     sock = _bind(server_config.host, server_config.port)
@@ -83,6 +86,7 @@ async def _serve(client: CoreClient, sock: socket.socket, engine_config: EngineC
     from nybble.runtime.input_processor import InputProcessor
     from nybble.runtime.tokenizer import Tokenizer
     from nybble.server.app import attach_engine, build_app
+    from nybble.server.connections import idle_timeout_protocol
     from nybble.server.metrics import ServerMetrics
     from nybble.server.state import ServerState
 
@@ -95,7 +99,10 @@ async def _serve(client: CoreClient, sock: socket.socket, engine_config: EngineC
     startup = app.state.startup
     config = uvicorn.Config(app, host=server_config.host, port=server_config.port,
                             log_level=server_config.uvicorn_log_level,
-                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+                            timeout_keep_alive=server_config.timeout_keep_alive_s,
+                            limit_concurrency=server_config.limit_concurrency,
+                            http=idle_timeout_protocol())
     server = _server_class()(config, startup)
     serving = asyncio.create_task(server.serve(sockets=[sock]))
     handshake = asyncio.ensure_future(client.wait_ready())
@@ -118,12 +125,15 @@ async def _serve(client: CoreClient, sock: socket.socket, engine_config: EngineC
                 time.monotonic() - t0, ready.pid, ready.threads)
     engine = AsyncEngine(client, tokenizer, observer=metrics.observe,
                          log_stats=server_config.log_stats,
-                         stats_interval_s=server_config.stats_interval_s)
+                         stats_interval_s=server_config.stats_interval_s,
+                         max_num_waiting_requests=server_config.max_num_waiting_requests)
     gate = InputProcessor(tokenizer, ready.limits, ready.eos_token_ids)
     attach_engine(app, ServerState(
         engine=engine, input_processor=gate, config=server_config, model_name=model_name,
-        model_path=mc.model, tokenizer=tokenizer, max_model_len=ready.limits.max_model_len,
-        metrics=metrics))
+        model_path=os.path.basename(os.path.normpath(mc.model)), tokenizer=tokenizer,
+        max_model_len=ready.limits.max_model_len, metrics=metrics,
+        executor=ThreadPoolExecutor(server_config.api_threads, thread_name_prefix="nybble-api"),
+        max_token_chars=tokenizer.max_token_chars))
     await serving
 
 

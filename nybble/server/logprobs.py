@@ -1,13 +1,26 @@
 """Format the engine's per-token logprobs the way OpenAI's two APIs do.
 
 The engine gives, per generated token, ``{token_id: logprob}`` holding the sampled token and
-the top-``k`` tokens (so ``k`` or ``k + 1`` entries). Token strings are decoded against a few
-previous tokens, so a SentencePiece word start keeps its leading space (``" Once"``, not
-``"Once"``), as the streamed text shows it.
+the top-``k`` tokens (so ``k`` or ``k + 1`` entries). A :class:`SampleDecoder` follows one
+sample's tokens in order and gives each token
+
+- its **bytes**: the token's own UTF-8 bytes. A byte-fallback token (``<0x80>``) is that one
+  byte (``[128]``), a byte-level BPE token its bytes; other tokens are the text they add after
+  a few tokens of left context, so a SentencePiece word start keeps its leading space
+  (``" Once"``, not ``"Once"``), as the streamed text shows it;
+- its **string**: the characters its bytes complete in the returned text (fed through an
+  incremental UTF-8 decoder). A token that ends inside a multi-byte character completes
+  none: its string is OpenAI's ``"bytes:\\xe4\\xbd"`` form, and the token that completes the
+  character carries it;
+- its **text offset**: the index in the returned text of the first character its bytes
+  belong to (completions ``text_offset``), so the pieces of a character split over several
+  tokens all point at that character.
 """
 from __future__ import annotations
 
+import codecs
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from nybble.server.responses import (
@@ -17,39 +30,85 @@ from nybble.server.responses import (
     TopLogprob,
 )
 
-_CONTEXT = 4   # tokens of left context used to decode one token's string
+CONTEXT_TOKENS = 4
+"""Tokens of left context used to decode one token's text."""
 
 
-class TokenDecoder:
-    """Decodes token ids to the text piece each adds after a given left context."""
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """One token as logprobs show it.
 
-    def __init__(self, tokenizer: Any) -> None:
+    Attributes:
+        token: the characters it completes, or ``"bytes:\\xNN..."`` when it completes none.
+        raw: the token's own UTF-8 bytes.
+        offset: index in the returned text of the first character its bytes belong to.
+    """
+
+    token: str
+    raw: bytes
+    offset: int
+
+
+def _label(completed: str, raw: bytes) -> str:
+    return completed if completed else "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+class SampleDecoder:
+    """Turns one sample's generated tokens, in order, into :class:`Piece` objects.
+
+    Args:
+        tokenizer: the model's tokenizer (``decode``, ``token_bytes``).
+        context: token ids before the first token it will see (the prompt's tail).
+        text_offset: characters of the returned text before the first token (the echoed
+            prompt's length, else 0).
+    """
+
+    def __init__(self, tokenizer: Any, context: Sequence[int], text_offset: int = 0) -> None:
         self.tokenizer = tokenizer
+        self.window = list(context[-CONTEXT_TOKENS:])
+        self.utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        self.offset = text_offset
 
-    def _decode(self, ids: Sequence[int]) -> str:
-        return str(self.tokenizer.decode(list(ids), skip_special_tokens=False))
+    def _raw(self, prefix: str, token_id: int) -> bytes:
+        raw = self.tokenizer.token_bytes(token_id)
+        if raw is not None:
+            return bytes(raw)
+        text = str(self.tokenizer.decode(self.window + [token_id], skip_special_tokens=False))
+        return text[len(prefix):].encode()
 
-    def pieces(self, context: Sequence[int], ids: Sequence[int],
-               alternatives: Sequence[Sequence[int]] | None = None
-               ) -> tuple[list[str], list[dict[int, str]]]:
-        """Strings of ``ids`` (decoded in sequence after ``context``) and of each position's
-        alternative ids (decoded after the same left context as that position's token).
+    def _completed(self, raw: bytes) -> str:
+        """The characters ``raw`` completes after the bytes consumed so far (no state change)."""
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        decoder.setstate(self.utf8.getstate())
+        return str(decoder.decode(raw))
+
+    def pieces(self, ids: Sequence[int], alternatives: Sequence[Sequence[int]] | None = None
+               ) -> tuple[list[Piece], list[dict[int, Piece]]]:
+        """The pieces of ``ids`` (consumed: the next call continues after them) and of each
+        position's alternative ids (as if sampled there instead).
 
         Returns:
-            ``(pieces, alt_pieces)``: ``pieces[i]`` is the text ``ids[i]`` adds;
-            ``alt_pieces[i]`` maps each id of ``alternatives[i]`` to its text.
+            ``(pieces, alt_pieces)``: ``alt_pieces[i]`` maps each id of ``alternatives[i]``
+            to its piece (``[]`` without ``alternatives``).
         """
-        window = list(context[-_CONTEXT:])
-        pieces: list[str] = []
-        alt_pieces: list[dict[int, str]] = []
+        pieces: list[Piece] = []
+        alt_pieces: list[dict[int, Piece]] = []
         for i, tok in enumerate(ids):
-            prefix = self._decode(window)
-            pieces.append(self._decode(window + [tok])[len(prefix):])
+            prefix = str(self.tokenizer.decode(self.window, skip_special_tokens=False))
             if alternatives is not None:
-                alt_pieces.append({a: (pieces[-1] if a == tok else
-                                       self._decode(window + [a])[len(prefix):])
-                                   for a in alternatives[i]})
-            window = (window + [tok])[-_CONTEXT:]
+                alt = {}
+                for a in alternatives[i]:
+                    raw = self._raw(prefix, a)
+                    alt[a] = Piece(_label(self._completed(raw), raw), raw, self.offset)
+                alt_pieces.append(alt)
+            raw = self._raw(prefix, tok)
+            completed = str(self.utf8.decode(raw))
+            piece = Piece(_label(completed, raw), raw, self.offset)
+            pieces.append(piece)
+            if alternatives is not None:
+                alt_pieces[-1][tok] = piece
+            self.offset += len(completed)
+            self.window = (self.window + [tok])[-CONTEXT_TOKENS:]
         return pieces, alt_pieces
 
 
@@ -58,39 +117,38 @@ def _top(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
     return sorted(entry.items(), key=lambda kv: kv[1], reverse=True)[:k]
 
 
-def completion_logprobs(decoder: TokenDecoder, context: Sequence[int], ids: Sequence[int],
-                        entries: Sequence[dict[int, float]], k: int,
-                        text_offset: int) -> CompletionLogProbs:
-    """Completions-format logprobs for generated ``ids`` (``entries[i]`` belongs to ``ids[i]``).
+def completion_logprobs(decoder: SampleDecoder, ids: Sequence[int],
+                        entries: Sequence[dict[int, float]], k: int) -> CompletionLogProbs:
+    """Completions-format logprobs for the sample's next generated ``ids``.
 
     Args:
-        context: token ids before ``ids`` (prompt and earlier output).
+        decoder: the sample's decoder (it moves past ``ids``).
+        entries: ``entries[i]`` belongs to ``ids[i]``.
         k: top-N alternatives per position.
-        text_offset: character offset of the first token in the choice's returned text.
     """
     tops = [_top(e, k) for e in entries]
-    pieces, alts = decoder.pieces(context, ids, [[t for t, _ in top] for top in tops])
+    pieces, alts = decoder.pieces(ids, [[t for t, _ in top] for top in tops])
     result = CompletionLogProbs()
-    offset = text_offset
     for i, tok in enumerate(ids):
-        result.tokens.append(pieces[i])
+        result.tokens.append(pieces[i].token)
         result.token_logprobs.append(entries[i].get(tok))
-        result.top_logprobs.append({alts[i][t]: lp for t, lp in tops[i]})
-        result.text_offset.append(offset)
-        offset += len(pieces[i])
+        result.top_logprobs.append({alts[i][t].token: lp for t, lp in tops[i]})
+        result.text_offset.append(pieces[i].offset)
     return result
 
 
-def chat_logprobs(decoder: TokenDecoder, context: Sequence[int], ids: Sequence[int],
+def chat_logprobs(decoder: SampleDecoder, ids: Sequence[int],
                   entries: Sequence[dict[int, float]], k: int) -> ChatLogProbs:
-    """Chat-format logprobs (``content``: token, logprob, bytes, top_logprobs) for ``ids``."""
+    """Chat-format logprobs (``content``: token, logprob, bytes, top_logprobs) for the
+    sample's next generated ``ids``."""
     tops = [_top(e, k) for e in entries]
-    pieces, alts = decoder.pieces(context, ids, [[t for t, _ in top] for top in tops])
+    pieces, alts = decoder.pieces(ids, [[t for t, _ in top] for top in tops])
     content = []
     for i, tok in enumerate(ids):
-        top = [TopLogprob(token=alts[i][t], logprob=lp, bytes=list(alts[i][t].encode()))
+        top = [TopLogprob(token=alts[i][t].token, logprob=lp, bytes=list(alts[i][t].raw))
                for t, lp in tops[i]]
         # NOTE: -9999.0 is OpenAI's stand-in for "-inf" when a logprob is unavailable
-        content.append(ChatTokenLogprob(token=pieces[i], logprob=entries[i].get(tok, -9999.0),
-                                        bytes=list(pieces[i].encode()), top_logprobs=top))
+        content.append(ChatTokenLogprob(token=pieces[i].token,
+                                        logprob=entries[i].get(tok, -9999.0),
+                                        bytes=list(pieces[i].raw), top_logprobs=top))
     return ChatLogProbs(content=content)

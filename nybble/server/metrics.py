@@ -6,7 +6,13 @@ finish minus arrival; queue time is first scheduled minus arrival. All times are
 ``time.monotonic()``. Token counters match the responses' ``usage``: prompt tokens are counted
 once per engine request when its first token arrives, generation tokens as they are generated.
 Gauges are set from ``engine.get_stats()`` after every step and once more when the engine goes
-idle, so they read 0 / 0 / 0 when nothing runs.
+idle, so they read 0 / 0 / 0 when nothing runs; running and waiting count the scheduler's
+sequences, as vLLM V1 counts its child requests (a request with ``n`` samples counts once
+while waiting, ``n`` times once its prompt is prefilled and it forked; ``docs/serving.md
+§2.2``). ``request_success`` counts every request that ended: ``finished_reason`` ``stop`` or
+``length``, ``abort`` (client gone, shutdown) or ``error`` (the engine failed it); TTFT is
+observed once per request that produced a token, never for one aborted or failed before
+its first token, nor for a rejected one.
 """
 from __future__ import annotations
 
@@ -46,7 +52,9 @@ class ServerMetrics:
                                      lab, registry=reg).labels(model_name)
         self.generation_tokens = Counter("nybble:generation_tokens", "Generated tokens.",
                                          lab, registry=reg).labels(model_name)
-        self.request_success = Counter("nybble:request_success", "Finished requests.",
+        self.request_success = Counter("nybble:request_success",
+                                       "Ended requests, by finish reason (stop, length, abort, "
+                                       "error).",
                                        ["model_name", "finished_reason"], registry=reg)
         self.preemptions = Counter("nybble:num_preemptions", "Preemptions (recompute).",
                                    lab, registry=reg).labels(model_name)
@@ -80,6 +88,10 @@ class ServerMetrics:
                 self._observe_finished(out, record.now)
         for gap in record.itl:
             self.itl.observe(gap)
+        if record.aborted:
+            self.request_success.labels(self.model_name, "abort").inc(record.aborted)
+        if record.failed:
+            self.request_success.labels(self.model_name, "error").inc(record.failed)
         self.prompt_tokens.inc(record.prompt_tokens)
         self.generation_tokens.inc(record.generation_tokens)
         stats = record.stats

@@ -6,27 +6,41 @@ gate (:mod:`nybble.runtime.input_processor`; ``InvalidRequestError`` -> 400). Un
 fields are ignored, as OpenAI clients send fields nybble does not use (``user``,
 ``metadata``, ...); the fields nybble does not implement (penalties, ``logit_bias``,
 ``best_of`` other than ``n``, ``suffix``, ``tools``, non-text ``response_format``, ``echo`` with
-``logprobs``) are declared, and the validators below refuse a non-neutral value with a 400
-naming the field instead of silently ignoring it: this is the one place such refusals live.
+``logprobs``, content parts other than ``text``) are declared, and the validators below refuse
+a non-neutral value with a 400 naming the field instead of silently ignoring it: this is the
+one place such refusals live.
+
+Every model here derives from :class:`RequestModel` (``request_base.py``): strict types,
+``null`` = omitted, nullable optional fields in the schema, valid Unicode only.
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
+from pydantic import (
+    Discriminator,
+    Field,
+    Tag,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from nybble.server.request_base import RequestBody, RequestModel
 
 
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+MAX_STOP_STRINGS = 64
+"""Most ``stop`` strings per request: each generated token is matched against every one on
+the API process's event loop (100,000 of them cost 56 ms per token; OpenAI allows 4)."""
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(RequestModel):
     """``stream_options``: ``include_usage`` adds a final chunk with usage, empty choices."""
 
     include_usage: bool = False
 
 
-class _SamplingFields(_Request):
+class _SamplingFields(RequestBody):
     """Fields shared by completions and chat completions (OpenAI + vLLM extensions)."""
 
     model: str | None = None
@@ -40,7 +54,7 @@ class _SamplingFields(_Request):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     stream: bool = False
-    stream_options: StreamOptions | None = None
+    stream_options: StreamOptions | None = None    # NOTE: after stream (its validator)
     user: str | None = None
     # Not implemented: only their neutral values are accepted (the validators below).
     presence_penalty: float | None = None
@@ -51,6 +65,23 @@ class _SamplingFields(_Request):
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     suffix: str | None = None
+
+    @field_validator("stream_options")
+    @classmethod
+    def _options_need_stream(cls, value: StreamOptions | None,
+                             info: ValidationInfo) -> StreamOptions | None:
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed with stream: true (OpenAI's "
+                             "rule), got stream_options without it")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _few_stops(cls, value: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(value, list) and len(value) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop must hold at most {MAX_STOP_STRINGS} strings, got "
+                             f"{len(value)}")
+        return value
 
     @field_validator("presence_penalty", "frequency_penalty", "repetition_penalty")
     @classmethod
@@ -88,6 +119,23 @@ class _SamplingFields(_Request):
         return value
 
 
+def _prompt_kind(value: Any) -> str:
+    """Which form a ``prompt`` takes, from its first element (so that validating a long
+    token-id list tries one form only, not each of the union's in turn)."""
+    if isinstance(value, str):
+        return "text"
+    first = value[0] if isinstance(value, list) and value else None
+    return "texts" if isinstance(first, str) else "id_lists" if isinstance(first, list) \
+        else "ids"
+
+
+Prompt = Annotated[
+    Annotated[str, Tag("text")] | Annotated[list[str], Tag("texts")]
+    | Annotated[list[int], Tag("ids")] | Annotated[list[list[int]], Tag("id_lists")],
+    Discriminator(_prompt_kind)]
+"""A completions prompt: a string, strings, token ids, or lists of token ids."""
+
+
 class CompletionRequest(_SamplingFields):
     """``POST /v1/completions`` body.
 
@@ -96,7 +144,7 @@ class CompletionRequest(_SamplingFields):
     ``logprobs``: top-N log-probabilities per generated token.
     """
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Prompt
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False    # NOTE: after logprobs, so that its validator sees logprobs
@@ -117,19 +165,33 @@ class CompletionRequest(_SamplingFields):
         return value
 
 
-class ContentPart(_Request):
-    """One part of a message's content; only ``text`` parts are supported."""
+class ContentPart(RequestModel):
+    """One part of a message's content; only ``text`` parts are supported (the served models
+    read text only): :class:`ChatMessage` refuses any other ``type`` with a 400 naming it."""
 
-    type: str = "text"
+    type: str = Field("text", json_schema_extra={"enum": ["text"]})
     text: str = ""
 
 
-class ChatMessage(_Request):
+class ChatMessage(RequestModel):
     """One chat message (``role`` and string or text-part ``content``)."""
 
     role: Literal["system", "user", "assistant", "tool", "developer", "function"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_parts_only(cls, data: Any) -> Any:
+        # NOTE: here rather than on ContentPart, so the 400 says only this (not also why
+        # the list is not a string)
+        parts = data.get("content") if isinstance(data, dict) else None
+        for part in parts if isinstance(parts, list) else ():
+            kind = part.get("type", "text") if isinstance(part, dict) else "text"
+            if kind != "text":
+                raise ValueError(f"content part type must be 'text' (nybble serves text-only "
+                                 f"models), got {kind!r}")
+        return data
 
     def text(self) -> str:
         """The content as one string (text parts concatenated)."""
@@ -164,7 +226,7 @@ class ChatCompletionRequest(_SamplingFields):
         return value
 
 
-class TokenizeRequest(_Request):
+class TokenizeRequest(RequestBody):
     """``POST /tokenize`` (vLLM): either ``prompt`` or chat ``messages``."""
 
     model: str | None = None
@@ -174,7 +236,7 @@ class TokenizeRequest(_Request):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(_Request):
+class DetokenizeRequest(RequestBody):
     """``POST /detokenize`` (vLLM)."""
 
     model: str | None = None

@@ -145,6 +145,27 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class VersionResponse(BaseModel):
+    """``GET /version``."""
+
+    version: str
+
+
+class TokenizeResponse(BaseModel):
+    """``POST /tokenize`` (vLLM's shape; ``token_strs`` is always null)."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    """``POST /detokenize`` (vLLM's shape)."""
+
+    prompt: str
+
+
 class ErrorInfo(BaseModel):
     """The ``error`` object of an OpenAI error body."""
 

@@ -2,35 +2,44 @@
 ``/metrics`` (Prometheus) and ``/internal/stats`` (the engine's counters, for tests and ops)."""
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
-
 from fastapi import APIRouter, Depends, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from nybble.errors import InvalidRequestError
+from nybble.runtime.messages import EngineStats
 from nybble.server.auth import require_api_key
 from nybble.server.metrics import ServerMetrics
+from nybble.server.openapi import error_responses
 from nybble.server.protocol import DetokenizeRequest, TokenizeRequest
-from nybble.server.responses import ModelCard, ModelList
-from nybble.server.serving import render_chat
-from nybble.server.state import Startup, get_state, wait_ready
+from nybble.server.responses import (
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeResponse,
+    VersionResponse,
+)
+from nybble.server.serving import json_response, render_chat
+from nybble.server.state import ServerState, Startup, get_state, run_blocking, wait_ready
 from nybble.version import __version__
 
-v1_router = APIRouter(dependencies=[Depends(require_api_key), Depends(wait_ready)])
+_GUARDED = [Depends(require_api_key), Depends(wait_ready)]
+v1_router = APIRouter(dependencies=_GUARDED, responses=error_responses(401, 500, 503))
 router = APIRouter()
-_READY = [Depends(wait_ready)]
+_BODY_ERRORS = error_responses(400, 401, 404, 413, 500, 503)
 
 
 @v1_router.get("/v1/models")
 async def list_models(request: Request) -> ModelList:
-    """The one served model."""
+    """The one served model (``root`` is the model folder's name, never its path)."""
     state = get_state(request)
     return ModelList(data=[ModelCard(id=state.model_name, root=state.model_path,
                                      max_model_len=state.max_model_len)])
 
 
-@router.get("/health")
+@router.get("/health", response_class=Response,
+            responses={200: {"description": "The engine can serve."},
+                                  503: {"description": "Starting, shutting down, or the "
+                                                       "engine is gone (restart it)."}})
 async def health(request: Request) -> Response:
     """200 while the engine core process runs and can step, 503 otherwise (still starting,
     dead core, repeated step failures, shutting down)."""
@@ -40,33 +49,40 @@ async def health(request: Request) -> Response:
 
 
 @router.get("/version")
-async def version() -> dict[str, str]:
+async def version() -> VersionResponse:
     """The nybble version."""
-    return {"version": __version__}
+    return VersionResponse(version=__version__)
 
 
-@router.post("/tokenize", dependencies=_READY)
-async def tokenize(req: TokenizeRequest, request: Request) -> dict[str, Any]:
+def _tokenize(state: ServerState, req: TokenizeRequest) -> Response:
+    if req.messages is not None:
+        ids = render_chat(state, req.messages, req.add_generation_prompt)
+        state.input_processor.check_token_ids(ids, "messages")
+    else:
+        assert req.prompt is not None
+        ids = state.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+    return json_response(TokenizeResponse(count=len(ids), max_model_len=state.max_model_len,
+                                          tokens=ids))
+
+
+@router.post("/tokenize", dependencies=_GUARDED, response_model=None,
+             responses={200: {"model": TokenizeResponse}, **_BODY_ERRORS})
+async def tokenize(req: TokenizeRequest, request: Request) -> Response:
     """Token ids of ``prompt`` (or of chat ``messages`` rendered with the chat template).
 
     Raises:
-        InvalidRequestError: neither or both of ``prompt`` and ``messages`` (400).
+        InvalidRequestError: neither or both of ``prompt`` and ``messages``, or a content part
+            that is not text (400).
     """
     state = get_state(request)
     state.check_model(req.model)
     if (req.prompt is None) == (req.messages is None):
         raise InvalidRequestError("give exactly one of prompt and messages", param="prompt")
-    if req.messages is not None:
-        ids = render_chat(state, req.messages, req.add_generation_prompt)
-        state.input_processor.check_token_ids(ids, "messages")
-    else:
-        ids = state.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
-    return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids,
-            "token_strs": None}
+    return await run_blocking(state, _tokenize, state, req)
 
 
-@router.post("/detokenize", dependencies=_READY)
-async def detokenize(req: DetokenizeRequest, request: Request) -> dict[str, str]:
+@router.post("/detokenize", dependencies=_GUARDED, responses=_BODY_ERRORS)
+async def detokenize(req: DetokenizeRequest, request: Request) -> DetokenizeResponse:
     """The text of token ids.
 
     Raises:
@@ -75,26 +91,22 @@ async def detokenize(req: DetokenizeRequest, request: Request) -> dict[str, str]
     state = get_state(request)
     state.check_model(req.model)
     state.input_processor.check_token_ids(req.tokens, "tokens", allow_empty=True)
-    return {"prompt": state.tokenizer.decode(req.tokens)}
+    text = await run_blocking(state, state.tokenizer.decode, req.tokens)
+    return DetokenizeResponse(prompt=text)
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=Response,
+            responses={200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]:
+                                         {"schema": {"type": "string"}}},
+                             "description": "Prometheus text exposition."}})
 async def metrics(request: Request) -> Response:
     """Prometheus text exposition."""
     metrics: ServerMetrics = request.app.state.metrics
     return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
-@router.get("/internal/stats", dependencies=_READY)
-async def internal_stats(request: Request) -> dict[str, Any]:
-    """The engine core's counters as JSON, read between two of its steps."""
-    return stats_dict(await get_state(request).engine.get_stats())
+@router.get("/internal/stats", dependencies=_GUARDED, responses=error_responses(401, 500, 503))
+async def internal_stats(request: Request) -> EngineStats:
+    """The engine core's counters, read between two of its steps."""
+    return await get_state(request).engine.get_stats()
 
-
-def stats_dict(stats: Any) -> dict[str, Any]:
-    """A stats object (dataclass, named tuple or plain object) as a dict."""
-    if dataclasses.is_dataclass(stats) and not isinstance(stats, type):
-        return dataclasses.asdict(stats)
-    if hasattr(stats, "_asdict"):
-        return dict(stats._asdict())
-    return {k: v for k, v in vars(stats).items() if not k.startswith("_")}

@@ -5,26 +5,31 @@ API's parameter names, and hands them to :func:`serve` with a :class:`Renderer` 
 its endpoint's chunk and response shapes. :func:`serve` passes every prompt through the
 engine's request gate before anything is queued (a bad prompt queues nothing), submits them,
 then either streams SSE chunks or collects the final outputs; a client that goes away, or any
-error, aborts the unfinished requests so their KV blocks are freed.
+error, aborts the unfinished requests so their KV blocks are freed. Everything that can take
+long for a large request (chat template, tokenization, the gate, logprob rendering, the whole
+response) runs on the server's worker threads (:func:`run_blocking`).
 """
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterable
 from typing import Protocol
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
+from starlette.types import Receive, Scope, Send
 
+from nybble.errors import InvalidRequestError
 from nybble.outputs import RequestOutput
 from nybble.runtime.async_engine import RequestStream
 from nybble.runtime.input_processor import ParamNames
+from nybble.runtime.messages import EngineCoreRequest
 from nybble.sampling_params import SamplingParams
 from nybble.server.protocol import ChatMessage, _SamplingFields
 from nybble.server.responses import UsageInfo
-from nybble.server.state import ServerState
+from nybble.server.state import ServerState, run_blocking
 from nybble.server.streams import (
     CLIENT_CLOSED,
     SSE_DONE,
@@ -34,7 +39,6 @@ from nybble.server.streams import (
     collect,
     merge,
     sse_error,
-    usage_of,
 )
 
 
@@ -63,20 +67,38 @@ def sampling_params(req: _SamplingFields, max_tokens: int | None,
         logprobs=logprobs)
 
 
-def render_chat(state: ServerState, messages: list[ChatMessage],
-                add_generation_prompt: bool = True) -> list[int]:
-    """Token ids of ``messages`` rendered with the tokenizer's chat template.
-
-    The template already emits BOS, so the rendered text is tokenized without adding special
-    tokens again.
+def check_prompt_chars(state: ServerState, text: str, param: str) -> None:
+    """The cheap length check before tokenizing: refuse text too long to fit however it
+    tokenizes (:attr:`ServerState.max_prompt_chars`).
 
     Raises:
-        InvalidRequestError: the tokenizer has no chat template, or the template refused the
-            conversation.
+        InvalidRequestError: naming ``param``, the length and the limit.
     """
-    text = state.tokenizer.apply_chat_template(
-        [{"role": m.role, "content": m.text()} for m in messages],
-        add_generation_prompt=add_generation_prompt)
+    limit = state.max_prompt_chars
+    if len(text) > limit:
+        raise InvalidRequestError(
+            f"{param} must be at most {limit} characters to fit max_model_len "
+            f"({state.max_model_len} tokens of at most {state.max_token_chars} characters "
+            f"each), got {len(text)} characters", param=param)
+
+
+def render_chat(state: ServerState, messages: list[ChatMessage],
+                add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of ``messages`` rendered with the tokenizer's chat template (blocking: call
+    it on a worker thread, :func:`run_blocking`).
+
+    The template already emits BOS, so the rendered text is tokenized without adding special
+    tokens again. The messages, then the rendered text, pass :func:`check_prompt_chars` first.
+
+    Raises:
+        InvalidRequestError: the conversation is too long, the tokenizer has no chat template,
+            or the template refused the conversation.
+    """
+    conversation = [{"role": m.role, "content": m.text()} for m in messages]
+    check_prompt_chars(state, "".join(m["content"] for m in conversation), "messages")
+    text = state.tokenizer.apply_chat_template(conversation,
+                                               add_generation_prompt=add_generation_prompt)
+    check_prompt_chars(state, text, "messages")
     return state.tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -85,65 +107,156 @@ class Renderer(Protocol):
 
     Attributes:
         request_id: the response id (engine requests are ``<request_id>-<prompt index>``).
+        logprobs: logprobs were asked for (chunks are then rendered on a worker thread).
     """
 
     request_id: str
+    logprobs: bool
+
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts (blocking work, such as a chat template, is allowed: it runs
+        on a worker thread)."""
+
+    def text_offsets(self) -> list[int] | None:
+        """Per prompt, the characters each choice starts with (echo), or ``None``; called
+        on the worker thread after the gate accepted the prompts."""
 
     def preamble(self) -> list[str]:
         """SSE events sent before the first token (chat: the role deltas; completions: the
         echoed prompts)."""
 
-    def delta_chunk(self, prompt_index: int, out: RequestOutput, delta: Delta) -> str:
+    def delta_chunk(self, prompt_index: int, delta: Delta) -> str:
         """The SSE event of one sample's delta."""
 
     def usage_chunk(self, usage: UsageInfo) -> str:
         """The final SSE event with usage and no choices (``stream_options.include_usage``)."""
 
-    def response(self, finals: list[RequestOutput]) -> BaseModel:
-        """The non-streaming response from the final output of every prompt."""
+    def response(self, finals: list[RequestOutput]) -> Response:
+        """The non-streaming response from the whole result of every prompt (blocking: runs
+        on a worker thread; :func:`json_response`)."""
 
 
-async def serve(request: Request, state: ServerState, renderer: Renderer,
-                prompts: Sequence[str | list[int]], params: SamplingParams, names: ParamNames,
-                arrival_time: float, stream: bool,
-                include_usage: bool) -> BaseModel | Response:
-    """Gate, submit and answer one API request (``n`` samples of every prompt).
-
-    Raises:
-        InvalidRequestError: the request gate refused a prompt or a parameter (nothing was
-            queued).
-        EngineDeadError, EngineShutdownError: the engine cannot take requests (503).
-    """
+def _gate(state: ServerState, renderer: Renderer, params: SamplingParams, names: ParamNames,
+          arrival_time: float) -> tuple[list[EngineCoreRequest], list[str | None]]:
+    """Prompts, their checks and the request gate (blocking: runs on a worker thread)."""
+    prompts = renderer.prompts()
+    cap = state.config.max_seqs_per_request
+    n = params.n if isinstance(params.n, int) else 1
+    if len(prompts) * n > cap:
+        param = names.prompt if len(prompts) > 1 else "n"
+        raise InvalidRequestError(
+            f"prompts x n must be <= {cap} sequences per request (--max-seqs-per-request), "
+            f"got {len(prompts)} prompts x n {n} = {len(prompts) * n}", param=param)
+    for p in prompts:
+        if isinstance(p, str):
+            check_prompt_chars(state, p, names.prompt)
     gate = state.input_processor
     requests = [gate.process(f"{renderer.request_id}-{i}", prompt, params, arrival_time, names)
                 for i, prompt in enumerate(prompts)]
-    texts = [p if isinstance(p, str) else None for p in prompts]
+    renderer.text_offsets()
+    return requests, [p if isinstance(p, str) else None for p in prompts]
+
+
+async def serve(request: Request, state: ServerState, renderer: Renderer,
+                params: SamplingParams, names: ParamNames, arrival_time: float, stream: bool,
+                include_usage: bool) -> BaseModel | Response:
+    """Gate, submit and answer one API request (``n`` samples of every prompt).
+
+    Tokenization, chat templates and logprob rendering run on the server's worker threads,
+    so a large request never holds up the event loop (``/health`` and the other requests).
+
+    Raises:
+        InvalidRequestError: too many sequences, a prompt too long, or the request gate
+            refused a prompt or a parameter (nothing was queued).
+        EngineDeadError, EngineShutdownError: the engine cannot take requests (503).
+        EngineOverloadedError: too many requests are waiting (503).
+    """
+    requests, texts = await run_blocking(state, _gate, state, renderer, params, names,
+                                         arrival_time)
     streams = state.engine.add_requests(requests, texts)
     if stream:
-        return StreamingResponse(_events(state, renderer, streams, include_usage),
-                                 media_type="text/event-stream")
+        return EngineStreamingResponse(state, streams,
+                                       _events(state, renderer, streams, include_usage))
     finals = await collect(request, state, streams)
     if finals is None:
         return Response(status_code=CLIENT_CLOSED)
-    return renderer.response(finals)
+    return await run_blocking(state, renderer.response, finals)
+
+
+def json_response(model: BaseModel, choices: Iterable[BaseModel] = ()) -> Response:
+    """``model`` as a JSON response, serialized here (call it on a worker thread) instead of
+    by FastAPI on the event loop; ``choices`` (if any) go into its empty ``choices`` list.
+
+    NOTE: a large answer (``n`` choices with logprobs) is millions of small objects if built
+    whole, and the cyclic garbage collector then walks them all, holding the GIL (and so the
+    event loop) for up to seconds. Each choice is therefore serialized as soon as
+    ``choices`` yields it and dropped; only strings stay alive (the collector ignores them).
+    The quoted key cannot occur inside a JSON string (its quotes would be escaped).
+    """
+    body = model.model_dump_json()
+    parts = [c.model_dump_json() for c in choices]
+    if parts:
+        body = body.replace('"choices":[]', f'"choices":[{",".join(parts)}]', 1)
+    data = body.encode()
+    if len(data) <= SEND_CHUNK_BYTES:
+        return Response(data, media_type="application/json")
+    return StreamingResponse(_pieces(memoryview(data)), media_type="application/json",
+                             headers={"Content-Length": str(len(data))})
+
+
+SEND_CHUNK_BYTES = 1 << 20
+"""A larger JSON answer is sent in pieces of this size (one huge socket write holds the event
+loop while the kernel copies it)."""
+
+
+async def _pieces(data: memoryview) -> AsyncIterator[memoryview]:
+    for start in range(0, len(data), SEND_CHUNK_BYTES):
+        yield data[start:start + SEND_CHUNK_BYTES]
+
+
+class EngineStreamingResponse(StreamingResponse):
+    """An SSE response that aborts its unfinished engine requests however it ends.
+
+    NOTE: not left to the body generator's own ``finally``, which runs only if the generator
+    had started when the answer was cancelled (the client gone); this ``finally`` always
+    runs.
+    """
+
+    def __init__(self, state: ServerState, streams: list[RequestStream],
+                 content: AsyncIterator[str]) -> None:
+        super().__init__(content, media_type="text/event-stream")
+        self._state, self._streams, self._content = state, streams, content
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            abort_unfinished(self._state, self._streams)
+            await self._content.aclose()  # type: ignore[attr-defined]
+
+
+def _render(renderer: Renderer, prompt_index: int, deltas: list[Delta]) -> str:
+    return "".join(renderer.delta_chunk(prompt_index, d) for d in deltas)
 
 
 async def _events(state: ServerState, renderer: Renderer, streams: list[RequestStream],
                   include_usage: bool) -> AsyncIterator[str]:
-    """SSE: the preamble, one event per sample delta, optional usage, then ``[DONE]``; an
-    error after the headers went out is reported in-band."""
-    tracker = DeltaTracker()
-    finals: list[RequestOutput | None] = [None] * len(streams)
+    """SSE: the preamble, the events of each output's deltas, optional usage, then
+    ``[DONE]``; an error after the headers went out is reported in-band."""
+    tracker = DeltaTracker(state.tokenizer, renderer.text_offsets())
     try:
         for event in renderer.preamble():
             yield event
         async for i, out in merge(streams):
-            for d in tracker.deltas(i, out):
-                yield renderer.delta_chunk(i, out, d)
-            if out.finished:
-                finals[i] = out
+            deltas = tracker.deltas(i, out)
+            if not deltas:
+                continue
+            if renderer.logprobs:
+                yield await run_blocking(state, _render, renderer, i, deltas)
+            else:
+                yield _render(renderer, i, deltas)
         if include_usage:
-            yield renderer.usage_chunk(usage_of([f for f in finals if f is not None]))
+            yield renderer.usage_chunk(tracker.usage())
         yield SSE_DONE
     except Exception as exc:  # noqa: BLE001 -- headers are sent; report it in-band
         yield sse_error(exc)

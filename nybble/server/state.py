@@ -8,8 +8,11 @@ arrives early waits for the engine instead of failing); ``/health`` answers 503 
 from __future__ import annotations
 
 import asyncio
+import functools
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import Request
 
@@ -22,6 +25,13 @@ if TYPE_CHECKING:
     from nybble.runtime.tokenizer import Tokenizer
     from nybble.server.config import ServerConfig
     from nybble.server.metrics import ServerMetrics
+
+
+PROMPT_CHAR_SLACK = 4
+"""How much a tokenizer's normalizer is assumed to shrink text at most (NFC joins combining
+marks), in the cheap prompt-length check (:attr:`ServerState.max_prompt_chars`)."""
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -37,6 +47,9 @@ class ServerState:
         tokenizer: the model's tokenizer (prompts, chat templates, logprob tokens).
         max_model_len: longest sequence, prompt + output (tokens).
         metrics: the Prometheus metrics.
+        executor: the worker threads for blocking work (tokenization, chat templates,
+            logprob rendering), so the event loop stays free.
+        max_token_chars: the longest token of the vocabulary (characters).
     """
 
     engine: AsyncEngine
@@ -47,6 +60,14 @@ class ServerState:
     tokenizer: Tokenizer
     max_model_len: int
     metrics: ServerMetrics
+    executor: ThreadPoolExecutor
+    max_token_chars: int
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """Characters beyond which a text prompt cannot fit ``max_model_len`` however it
+        tokenizes: ``max_model_len * max_token_chars * PROMPT_CHAR_SLACK``."""
+        return self.max_model_len * self.max_token_chars * PROMPT_CHAR_SLACK
 
     def check_model(self, model: str | None) -> None:
         """Accept ``model`` if it is ``None`` or the served name.
@@ -97,6 +118,12 @@ async def wait_ready(request: Request) -> None:
     """
     startup: Startup = request.app.state.startup
     await startup.wait()
+
+
+async def run_blocking(state: ServerState, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` on the server's worker threads; its result (or exception) here."""
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(state.executor, functools.partial(fn, *args))
 
 
 def get_state(request: Request) -> ServerState:

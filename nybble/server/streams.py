@@ -1,21 +1,26 @@
-"""Engine streams for the serving pipeline: merge, collect, abort, deltas, SSE framing.
+"""Engine streams for the serving pipeline: merge, collect, abort, per-sample deltas, SSE.
 
-The engine returns CUMULATIVE outputs; :class:`DeltaTracker` turns them into per-sample text
-and token deltas for streaming (by the previous text / token lengths of each output index).
+The engine sends DELTA outputs (per sample, only what is new since the previous one).
+:func:`collect` merges them into each request's whole result; :class:`DeltaTracker` turns
+them into the deltas a stream sends: a sample's tokens whose text is still held back (a
+possible stop string, an incomplete UTF-8 character) wait for the next delta that has text,
+so a stream never carries an empty delta before the sample's last one.
 """
 from __future__ import annotations
 
 import asyncio
 import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import Request
 from pydantic import BaseModel
 
-from nybble.outputs import CompletionOutput, RequestOutput
+from nybble.outputs import RequestOutput
 from nybble.runtime.async_engine import RequestStream
 from nybble.server.errors import error_payload
+from nybble.server.logprobs import CONTEXT_TOKENS, SampleDecoder
 from nybble.server.responses import UsageInfo
 from nybble.server.state import ServerState
 
@@ -69,14 +74,20 @@ async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reques
 async def _collect(streams: list[RequestStream]) -> list[RequestOutput]:
     final: list[RequestOutput | None] = [None] * len(streams)
     async for i, out in merge(streams):
-        final[i] = out
-    assert all(f is not None for f in final), "a stream ended without a finished output"
+        whole = final[i]
+        if whole is None:
+            final[i] = out
+        else:
+            whole.add(out)
+    assert all(f is not None and f.finished for f in final), \
+        "a stream ended without a finished output"
     return [f for f in final if f is not None]
 
 
 async def collect(request: Request, state: ServerState,
                   streams: list[RequestStream]) -> list[RequestOutput] | None:
-    """The final output of every stream, in prompt order; ``None`` if the client went away.
+    """The whole result of every stream (its deltas merged), in prompt order; ``None`` if the
+    client went away.
 
     Every ``DISCONNECT_POLL_S`` seconds it checks the connection; on a disconnect, or any
     error, the unfinished requests are aborted so their KV blocks are freed.
@@ -104,7 +115,7 @@ async def collect(request: Request, state: ServerState,
 
 
 def usage_of(outputs: list[RequestOutput]) -> UsageInfo:
-    """Usage over finished outputs: the prompt once per prompt, every sample's tokens."""
+    """Usage over whole results: the prompt once per prompt, every sample's tokens."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
@@ -113,43 +124,76 @@ def usage_of(outputs: list[RequestOutput]) -> UsageInfo:
 
 @dataclass(slots=True)
 class Delta:
-    """What one sample gained since the previous snapshot."""
+    """What one sample shows next in a stream.
 
-    output: CompletionOutput
+    Attributes:
+        index: the sample's index in ``[0, n)``.
+        text: its new text.
+        token_ids: the tokens since its previous delta (tokens that added no text yet
+            included).
+        logprobs: their logprob entries (``[]`` when not asked for).
+        finish_reason: set once, in the sample's last delta.
+        decoder: the sample's token decoder for logprobs (continues across its deltas).
+    """
+
+    index: int
     text: str
-    token_start: int              # index in output.token_ids of the first new token
-    finish_reason: str | None     # set once, in the delta where the sample ends
+    token_ids: list[int]
+    logprobs: list[dict[int, float]]
+    finish_reason: str | None
+    decoder: SampleDecoder
 
-    def new_tokens(self, prompt_token_ids: list[int]
-                   ) -> tuple[list[int], list[int], list[dict[int, float]]]:
-        """``(context, ids, logprobs)`` of the new tokens: the ids before them (prompt and
-        earlier output), the new ids, and their logprob entries (``[]`` if none kept)."""
-        ids = self.output.token_ids
-        entries = self.output.logprobs or []
-        return (prompt_token_ids + ids[:self.token_start], ids[self.token_start:],
-                entries[self.token_start:len(ids)])
+
+@dataclass(slots=True)
+class _Sample:
+    decoder: SampleDecoder
+    token_ids: list[int] = field(default_factory=list)     # not shown yet
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    num_tokens: int = 0
 
 
 class DeltaTracker:
-    """Turns cumulative :class:`RequestOutput` snapshots into per-sample deltas."""
+    """Per-sample stream deltas from the engine's delta outputs, and the stream's usage.
 
-    def __init__(self) -> None:
-        self._seen: dict[tuple[int, int], tuple[int, int, bool]] = {}
+    Args:
+        tokenizer: the model's tokenizer (logprob token strings).
+        text_offsets: per prompt, the characters each of its choices starts with (the
+            echoed prompt with ``echo``, else 0).
+    """
+
+    def __init__(self, tokenizer: Any, text_offsets: list[int] | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.text_offsets = text_offsets
+        self._samples: dict[tuple[int, int], _Sample] = {}
+        self._prompt_tokens: dict[int, int] = {}
 
     def deltas(self, prompt_index: int, out: RequestOutput) -> list[Delta]:
-        """The non-empty deltas of ``out`` (new text/tokens, or a newly set finish reason)."""
+        """The deltas to send for ``out``: samples with new text, or that finished."""
+        self._prompt_tokens[prompt_index] = len(out.prompt_token_ids)
         result = []
         for o in out.outputs:
             key = (prompt_index, o.index)
-            text_len, tok_len, done = self._seen.get(key, (0, 0, False))
-            if done:
-                continue
-            finish = o.finish_reason
-            if len(o.text) > text_len or len(o.token_ids) > tok_len or finish is not None:
-                result.append(Delta(o, o.text[text_len:], tok_len, finish))
-                self._seen[key] = (max(text_len, len(o.text)), len(o.token_ids),
-                                   finish is not None)
+            sample = self._samples.get(key)
+            if sample is None:
+                offset = self.text_offsets[prompt_index] if self.text_offsets else 0
+                sample = self._samples[key] = _Sample(SampleDecoder(
+                    self.tokenizer, out.prompt_token_ids[-CONTEXT_TOKENS:], offset))
+            sample.token_ids.extend(o.token_ids)
+            sample.logprobs.extend(o.logprobs or ())
+            sample.num_tokens += len(o.token_ids)
+            if not o.text and o.finish_reason is None:
+                continue  # NOTE: text held back: its tokens go with the next delta
+            result.append(Delta(o.index, o.text, sample.token_ids, sample.logprobs,
+                                o.finish_reason, sample.decoder))
+            sample.token_ids, sample.logprobs = [], []
         return result
+
+    def usage(self) -> UsageInfo:
+        """Usage of what was streamed: each prompt once, every sample's tokens."""
+        prompt = sum(self._prompt_tokens.values())
+        completion = sum(s.num_tokens for s in self._samples.values())
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
+                         total_tokens=prompt + completion)
 
 
 def sse(payload: BaseModel | dict[str, object]) -> str:

@@ -3,7 +3,6 @@ transformers' AutoConfig (defaults and derived fields included), and the RoPE fr
 computes equal transformers' ROPE_INIT_FUNCTIONS."""
 from __future__ import annotations
 
-import glob
 import json
 import os
 
@@ -17,7 +16,7 @@ from nybble.config import DEFAULT_MODEL
 from nybble.models.hf_config import HFConfig, load_hf_config
 from nybble.models.layers import RotaryEmbedding, _rope_config
 from nybble.models.shape import ModelShape
-from tests.conftest import SHARED
+from tests.conftest import shared_folders
 from tests.models.hf_tiny import VARIANTS, make_tiny_model
 
 FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -41,8 +40,7 @@ def _assert_same(folder: str) -> None:
     assert ModelShape.from_hf_config(ours) == ModelShape.from_hf_config(hf)  # head_dim, KV heads
 
 
-FOLDERS = [DEFAULT_MODEL] + sorted(glob.glob(os.path.join(SHARED, "models", "*")) +
-                                   glob.glob(os.path.join(SHARED, "fixtures", "quant", "tiny-*")))
+FOLDERS = [DEFAULT_MODEL] + shared_folders("models/*", "fixtures/quant/tiny-*")
 
 
 @pytest.mark.parametrize("folder", FOLDERS, ids=os.path.basename)

@@ -12,9 +12,9 @@ from nybble.config import ModelConfig
 from nybble.kernels.reference_attention import TorchAttentionBackend
 from nybble.models.loader import load_model
 from nybble.models.scoring import prefill_logits
-from tests.conftest import SHARED
+from tests.conftest import shared_path
 
-BASE = os.path.join(SHARED, "fixtures", "quant")
+BASE = shared_path("fixtures", "quant")
 DIRS = sorted(d for d in os.listdir(BASE) if d.startswith("tiny-llama-"))
 
 

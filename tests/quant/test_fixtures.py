@@ -18,9 +18,9 @@ from nybble.models.linear import build_linear
 from nybble.quant.config import load_quant_config
 from nybble.quant.linear import GPTQLinear, weight_bytes
 from nybble.quantize.hf_model import load_checkpoint_tensors, load_model
-from tests.conftest import SHARED
+from tests.conftest import shared_path
 
-BASE = os.path.join(SHARED, "fixtures", "quant")
+BASE = shared_path("fixtures", "quant")
 DIRS = sorted(d for d in os.listdir(BASE) if d.startswith("tiny-llama-") and d != "tiny-llama-fp32")
 
 

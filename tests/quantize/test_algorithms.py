@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from nybble.kernels import cpu_weight_only
 from nybble.kernels.reference_quant import dequantize_gptq
 from nybble.quant.linear import GPTQLinear
 from nybble.quantize import awq
@@ -82,9 +83,15 @@ def test_awq_beats_rtn_with_salient_channels() -> None:
     x[:, [3, 40, 77, 100]] *= 30.0
     w0 = lin.weight.detach().clone()
     y_ref = x @ w0.t()
-    s, alpha, losses = awq.search_best_scale(x, [lin], lin, 4, 32, duo_scaling=True)
+    c = awq.search_best_scale(x, [lin], lin, 4, 32, duo_scaling=True)
+    s, alpha, losses = c.s, c.alpha, c.losses
     assert torch.equal(lin.weight, w0)  # restored from a real copy
+    assert len(losses) == 20 and c.duo
     assert min(losses) == losses[round(alpha * 20)] and losses[round(alpha * 20)] <= losses[0]
+    both = awq.search_best_scale(x, [lin], lin, 4, 32, duo_scaling="both")
+    assert both.losses[:20] == losses and len(both.losses) == 40
+    assert min(both.losses) == both.losses[round(both.alpha * 20) + (0 if both.duo else 20)]
+    assert min(both.losses) <= min(losses)
     norm = nn.Module()
     norm.weight = nn.Parameter(torch.ones(128))
     awq.apply_scale(norm, [lin], s)
@@ -101,10 +108,11 @@ def test_awq_clip_never_worse_than_no_clip() -> None:
     w = torch.randn(64, 64, generator=g)
     w[0, 0] = 12.0
     x = torch.randn(300, 64, generator=g)
-    mv = awq.search_best_clip(w, x, 4, 32)
+    bounds = awq.search_best_clip(w, x, 4, 32)
+    assert bounds.shape == (64, 2, 2)
     lin = nn.Linear(64, 64, bias=False)
     lin.weight.data = w.clone()
-    awq.apply_clip(lin, mv, 32)
+    awq.apply_clip(lin, bounds, 32)
 
     def group_err(wc: torch.Tensor) -> torch.Tensor:
         q = rtn_quantize(wc, 4, 32, False, kind="awq").dequant
@@ -112,7 +120,13 @@ def test_awq_clip_never_worse_than_no_clip() -> None:
         return d.pow(2).mean(0)
 
     assert bool((group_err(lin.weight.data) <= group_err(w) + 1e-6).all())
-    assert mv[0, 0] < 12.0  # the outlier group was clipped
+    # the ends move independently: the outlier group keeps its 12.0 top (a clipped outlier
+    # costs more than the coarser steps) and gives up part of its bottom instead
+    assert bounds[0, 0, 1] == 12.0 and bounds[0, 0, 0] > w[0, :32].min()
+    shrink = 1 - bounds / torch.stack([w.view(64, 2, 32).amin(2), w.view(64, 2, 32).amax(2)], 2)
+    assert int(((shrink[..., 0] - shrink[..., 1]).abs() > 1e-6).sum()) > 0
+    wg = lin.weight.data.view(64, 2, 32)
+    assert torch.equal(wg.amin(2), bounds[..., 0]) and torch.equal(wg.amax(2), bounds[..., 1])
 
 
 def test_quant_linear_matches_float64_reference() -> None:
@@ -122,7 +136,13 @@ def test_quant_linear_matches_float64_reference() -> None:
     t = pack_gptq(res, 8, v2=True)
     mod = GPTQLinear(64, 48, False, torch.float32, torch.device("cpu"), 8, 32, 0, False)
     mod.load_tensors(t)
-    x = torch.randn(3, 5, 64, generator=g)
+    x = torch.randn(3, 7, 64, generator=g)  # 21 rows > MAX_ROWS: the reference path
     ref = x.double() @ (res.dequant.half().double()).t()
     torch.testing.assert_close(mod(x).double(), ref, atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(mod(x.double()), ref, atol=1e-12, rtol=0)
+    # decode-sized calls take the CPU int8 kernel, within its documented bound
+    assert mod.cpu_weight is not None
+    x1 = x[0, :2]
+    err = (mod(x1).double() - ref[0, :2]).abs()
+    bound = cpu_weight_only.error_bound(x1, mod.int_weight(), mod.scales, ref[0, :2])
+    assert bool((err <= bound).all()) and float(err.max()) > 0

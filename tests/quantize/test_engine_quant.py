@@ -10,9 +10,7 @@ import torch
 from nybble.config import DEFAULT_MODEL
 from nybble.quantize.driver import QuantizeOptions, quantize_model
 from nybble.quantize.hf_model import load_model
-from tests.conftest import SHARED
-
-FIX = os.path.join(SHARED, "fixtures", "quant")
+from tests.conftest import shared_path
 
 
 def _oracle_greedy(model_dir: str, prompt: str, n: int) -> list[int]:
@@ -47,5 +45,5 @@ def test_llm_generates_from_our_quantized_folder(tmp_path: str, method: str) -> 
 @pytest.mark.parametrize("d", ["tiny-llama-gptq-4bit-g32-actorder", "tiny-llama-awq-4bit-g32",
                                "tiny-llama-ct-w4a16-g32"])
 def test_llm_on_tool_checkpoints(d: str) -> None:
-    path = os.path.join(FIX, d)
+    path = shared_path("fixtures", "quant", d)
     assert _engine_greedy(path, "The keeper", 8) == _oracle_greedy(path, "The keeper", 8)

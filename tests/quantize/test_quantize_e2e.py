@@ -13,7 +13,7 @@ from nybble.quantize.driver import QuantizeOptions, quantize_model
 from nybble.quantize.hf_model import load_model
 
 CASES = [("rtn", 4, 32, True), ("gptq", 4, 32, False), ("gptq", 8, 64, True),
-         ("awq", 4, 32, False)]
+         ("awq", 4, 32, False), ("gptq-e2e", 4, 32, False)]
 
 
 @pytest.fixture(scope="module")
@@ -65,12 +65,18 @@ def test_cli_quantize_and_eval(tmp_path: str, capsys: pytest.CaptureFixture[str]
     p = argparse.ArgumentParser()
     register(p.add_subparsers())
     out = os.path.join(tmp_path, "q")
-    a = p.parse_args(["quantize", DEFAULT_MODEL, "--method", "rtn", "--bits", "8",
-                      "--group-size", "32", "--out", out])
-    assert a.func(a) == 0
     text = os.path.join(tmp_path, "t.txt")
     with open(text, "w") as f:
         f.write("Once upon a time there was a cat.\n\nThe dog ran to the park and played.")
+    a = p.parse_args(["quantize", DEFAULT_MODEL, "--method", "rtn", "--bits", "8",
+                      "--group-size", "32", "--num-samples", "2", "--seq-len", "32",
+                      "--eval-text", text, "--out", out])
+    assert a.func(a) == 0
+    printed = json.loads(capsys.readouterr().out)
+    report = json.load(open(os.path.join(out, "quantization_report.json")))
+    assert report["perplexity"]["text"] == text and report["calibration"]["source"] == "built-in"
+    assert printed["summary"].startswith("quantized by nybble ") and "rtn 8-bit g32" in printed[
+        "summary"]
     a = p.parse_args(["eval-ppl", out, "--text", text, "--quantization", "gptq"])
     capsys.readouterr()
     assert a.func(a) == 0

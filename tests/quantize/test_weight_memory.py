@@ -2,17 +2,15 @@
 whose widths are multiples of 128), as the engine loads them."""
 from __future__ import annotations
 
-import os
-
 import torch
 
 from nybble.config import ModelConfig
 from nybble.kernels.reference_attention import TorchAttentionBackend
 from nybble.models.loader import load_model
 from nybble.quantize.driver import QuantizeOptions, quantize_model
-from tests.conftest import SHARED
+from tests.conftest import shared_path
 
-STORIES3M = os.path.join(SHARED, "models", "stories3m")
+STORIES3M = shared_path("models", "stories3m")
 
 
 def test_int4_g128_linear_bytes_ratio(tmp_path) -> None:

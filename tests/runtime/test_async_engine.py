@@ -5,16 +5,20 @@ and shutdown ends every stream with an abort."""
 from __future__ import annotations
 
 import asyncio
+import random
 from typing import Any
 
 import pytest
 
 from nybble.config import DEFAULT_MODEL
+from nybble.outputs import RequestOutput
 from nybble.runtime.async_engine import (
     AsyncEngine,
     EngineDeadError,
+    EngineOverloadedError,
     EngineRequestError,
     EngineShutdownError,
+    StepRecord,
 )
 from nybble.runtime.input_processor import InputProcessor
 from nybble.runtime.messages import (
@@ -25,6 +29,7 @@ from nybble.runtime.messages import (
     RequestsFailed,
     UtilityResult,
 )
+from nybble.runtime.output_processor import OutputProcessor
 from nybble.runtime.tokenizer import Tokenizer
 from nybble.sampling_params import SamplingParams
 
@@ -193,3 +198,109 @@ def test_shutdown_ends_streams_with_an_abort(tok: Tokenizer) -> None:
         await engine.shutdown()
 
     asyncio.run(go())
+
+
+def _steps(rid: str, n: int, length: int, seed: int = 0) -> list[EngineCoreOutputs]:
+    """``length`` steps of ``n`` samples with logprobs (top 2); the last step finishes them."""
+    rng = random.Random(seed)
+    steps = []
+    for k in range(length):
+        tokens = [rng.randrange(3, 512) for _ in range(n)]
+        step = _step(rid, tokens, [2 if k == length - 1 else 0] * n)
+        step.logprobs = [-rng.random() for _ in range(n)]
+        step.top_token_ids = [[rng.randrange(3, 512), rng.randrange(3, 512)] for _ in range(n)]
+        step.top_logprobs = [[-0.1, -0.2] for _ in range(n)]
+        steps.append(step)
+    return steps
+
+
+def test_deltas_merge_into_the_cumulative_result(tok: Tokenizer) -> None:
+    """The server's engine sends deltas; merged, they equal the offline engine's cumulative
+    snapshot of the same steps (text, ids, logprobs, finish), whether read step by step or
+    all at once by a slow reader, whose stream holds one merged output."""
+    gate = InputProcessor(tok, RequestLimits(512, 512, 8, 20, 64, 16), (2,))
+    req = gate.process("r", "Once upon", SamplingParams(n=3, max_tokens=40, logprobs=2,
+                                                         stop=["zz"]))
+    cumulative = OutputProcessor(tok)
+    cumulative.add_request(req, "Once upon")
+    for step in _steps("r", 3, 40):
+        (expected,), _ = cumulative.process_outputs(step)
+
+    async def go(read_each_step: bool) -> RequestOutput:
+        engine, client, _ = _setup(tok)
+        stream = await engine.add_request(req, "Once upon")
+        whole: RequestOutput | None = None
+        for step in _steps("r", 3, 40):
+            client.inbox.put_nowait(step)
+            if read_each_step:
+                out = await asyncio.wait_for(stream.__anext__(), 10)
+                assert len(out.outputs[0].token_ids) == 1      # a delta, not a snapshot
+                whole = out if whole is None else (whole.add(out) or whole)
+        if not read_each_step:
+            while client.inbox.qsize():
+                await asyncio.sleep(0)
+            await asyncio.sleep(0)
+            assert stream._unread is not None and stream._unread.finished   # one merged output
+            (whole,) = await asyncio.wait_for(_drain(stream), 10)
+        await engine.shutdown()
+        assert whole is not None
+        return whole
+
+    for read_each_step in (True, False):
+        whole = asyncio.run(go(read_each_step))
+        assert whole.finished and whole.outputs == expected.outputs
+
+
+def test_admission_control_refuses_beyond_the_waiting_limit(tok: Tokenizer) -> None:
+    async def go() -> None:
+        client = ScriptedClient()
+        engine = AsyncEngine(client, tok, max_num_waiting_requests=2)  # type: ignore[arg-type]
+        engine.start()
+        gate = InputProcessor(tok, RequestLimits(512, 512, 8, 20, 64, 16), (2,))
+
+        def reqs(*ids: str) -> list[Any]:
+            return [gate.process(r, "Hi", SamplingParams(max_tokens=4)) for r in ids]
+
+        engine.add_requests(reqs("a", "b"), [None, None])
+        with pytest.raises(EngineOverloadedError, match="2 requests are waiting") as info:
+            engine.add_requests(reqs("c"), [None])
+        assert info.value.retry_after_s >= 1
+        assert ("add", "c") not in client.sent and engine.num_waiting == 2
+        client.inbox.put_nowait(EngineCoreOutputs(first_scheduled=["a"], stats=STATS))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert engine.num_waiting == 1
+        engine.add_requests(reqs("c"), [None])                 # room for one again
+        engine.abort("b")
+        engine.abort("c")
+        assert engine.num_waiting == 0
+        engine.add_requests(reqs("d", "e", "f"), [None] * 3)   # too many, but none waits
+        await engine.shutdown()
+
+    asyncio.run(go())
+
+
+def test_aborts_and_failures_reach_the_observer_once_each(tok: Tokenizer) -> None:
+    records: list[StepRecord] = []
+
+    async def go() -> None:
+        client = ScriptedClient()
+        engine = AsyncEngine(client, tok, observer=records.append)  # type: ignore[arg-type]
+        engine.start()
+        gate = InputProcessor(tok, RequestLimits(512, 512, 8, 20, 64, 16), (2,))
+        engine.add_requests([gate.process(r, "Hi", SamplingParams(max_tokens=4))
+                             for r in "abcd"], [None] * 4)
+        client.inbox.put_nowait(_step("a", [403]))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        engine.abort("a")
+        engine.abort("a")                                   # already gone: not counted again
+        client.inbox.put_nowait(RequestsFailed(["b", "c"], "the engine step failed: X"))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        engine.begin_shutdown()                             # ends "d"
+        await engine.shutdown()
+
+    asyncio.run(go())
+    assert sum(r.aborted for r in records) == 2 and sum(r.failed for r in records) == 2
+    assert [rid for r in records for rid in r.first_token_ids] == ["a"]

@@ -3,12 +3,11 @@ from __future__ import annotations
 
 import random
 
-import numpy as np
 import pytest
 
 from nybble import SamplingParams
-from nybble.config import DEFAULT_MODEL
 from nybble.runtime.engine import LLMEngine
+from tests.runtime.engine_helpers import assert_idle_and_clean, make_engine
 
 
 def _requests(n: int, seed: int = 0) -> list[tuple[list[int], int]]:
@@ -20,10 +19,6 @@ def _requests(n: int, seed: int = 0) -> list[tuple[list[int], int]]:
     return out
 
 
-def _engine(**kw) -> LLMEngine:
-    return LLMEngine.from_engine_args(DEFAULT_MODEL, **kw)
-
-
 def _run_to_end(engine: LLMEngine, finals: dict[str, list[int]]) -> None:
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -31,20 +26,10 @@ def _run_to_end(engine: LLMEngine, finals: dict[str, list[int]]) -> None:
                 finals[out.request_id] = out.outputs[0].token_ids
 
 
-def _assert_idle_and_clean(engine: LLMEngine) -> None:
-    stats = engine.get_stats()
-    assert stats.num_running == stats.num_waiting == 0
-    assert stats.num_free_blocks == stats.num_blocks
-    state = engine.scheduler.debug_state()
-    assert int(np.count_nonzero(state["ref_counts"])) == 0
-    assert len(engine.engine_core.runner.sampling) == 0, "sampling rows leaked"
-    assert not engine.engine_core.has_unfinished_requests()
-
-
 @pytest.fixture(scope="module")
 def solo_outputs() -> dict[int, list[int]]:
     """Each request run alone (greedy)."""
-    engine = _engine(max_num_seqs=1)
+    engine = make_engine(max_num_seqs=1)
     outs = {}
     for i, (prompt, max_tokens) in enumerate(_requests(64)):
         engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=max_tokens))
@@ -56,7 +41,7 @@ def solo_outputs() -> dict[int, list[int]]:
 
 @pytest.mark.slow
 def test_staggered_arrivals_match_solo_runs(solo_outputs) -> None:
-    engine = _engine(max_num_seqs=24, max_num_batched_tokens=128)
+    engine = make_engine(max_num_seqs=24, max_num_batched_tokens=128)
     reqs = _requests(64)
     finals: dict[str, list[int]] = {}
     pending = list(enumerate(reqs))
@@ -77,13 +62,13 @@ def test_staggered_arrivals_match_solo_runs(solo_outputs) -> None:
     assert engine.get_stats().peak_num_seqs_in_step > 8
     for i in range(64):
         assert finals[str(i)] == solo_outputs[i], f"request {i}"
-    _assert_idle_and_clean(engine)
+    assert_idle_and_clean(engine)
 
 
 @pytest.mark.slow
 def test_preemption_recomputes_to_the_same_tokens(solo_outputs) -> None:
     # 10 blocks x 16 tokens = 160 slots: far fewer than the 64 requests need together.
-    engine = _engine(max_num_seqs=16, num_gpu_blocks=10)
+    engine = make_engine(max_num_seqs=16, num_gpu_blocks=10)
     reqs = _requests(64)
     for i, (prompt, max_tokens) in enumerate(reqs):
         engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=max_tokens))
@@ -92,12 +77,12 @@ def test_preemption_recomputes_to_the_same_tokens(solo_outputs) -> None:
     assert engine.get_stats().num_preemptions > 0
     for i in range(64):
         assert finals[str(i)] == solo_outputs[i], f"request {i}"
-    _assert_idle_and_clean(engine)
+    assert_idle_and_clean(engine)
 
 
 def test_random_aborts_leak_no_blocks() -> None:
     rng = random.Random(1)
-    engine = _engine(max_num_seqs=8, num_gpu_blocks=24)
+    engine = make_engine(max_num_seqs=8, num_gpu_blocks=24)
     live: set[str] = set()
     for i, (prompt, max_tokens) in enumerate(_requests(40, seed=2)):
         n = rng.choice([1, 1, 2, 3])
@@ -116,4 +101,4 @@ def test_random_aborts_leak_no_blocks() -> None:
         if live and rng.random() < 0.1:
             victim = live.pop()
             engine.abort_request(victim)
-    _assert_idle_and_clean(engine)
+    assert_idle_and_clean(engine)

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
+from nybble.errors import EngineStepError
 from nybble.runtime.core_process import MAX_CONSECUTIVE_STEP_FAILURES, CoreProc
 from nybble.runtime.messages import (
     Codec,
@@ -58,9 +59,10 @@ class ScriptedCore:
 
     def step(self) -> EngineCoreOutputs:
         self.log.append(("step", list(self.requests)))
-        if self.fail_steps:
+        if self.fail_steps:   # like EngineCore: the batch (here: the first request) rolls back
             self.fail_steps -= 1
-            raise RuntimeError("boom\nsecond line")
+            batch, self.requests = self.requests[:1], self.requests[1:]
+            raise EngineStepError(batch, "RuntimeError: boom") from RuntimeError("boom\nline 2")
         ids, self.requests = self.requests, []
         return EngineCoreOutputs(request_ids=ids, sample_indices=[0] * len(ids),
                                  token_ids=[7] * len(ids), finish_reasons=[2] * len(ids))
@@ -133,6 +135,39 @@ def test_one_outputs_message_per_step_then_idle_stats(sockets) -> None:
     assert isinstance(step, EngineCoreOutputs)
     assert step.request_ids == ["a", "b"] and step.token_ids == [7, 7]
     assert step.stats == STATS
+
+
+def test_a_failed_step_fails_only_its_batch(sockets) -> None:
+    core = ScriptedCore(fail_steps=1)
+    api_out, *_ = sockets
+    codec = Codec(FromCore)
+    original = core.step
+
+    def step_then_shutdown() -> EngineCoreOutputs:
+        if not core.fail_steps:
+            api_out.send(codec.encode(Shutdown()))
+        return original()
+
+    core.step = step_then_shutdown  # type: ignore[method-assign]
+    code, out = _run(core, sockets, [CoreInputs(adds=[_request("a"), _request("b")])])
+    assert code == 0
+    failed, step = out
+    assert failed == RequestsFailed(["a"], "the engine step failed: RuntimeError: boom")
+    assert isinstance(step, EngineCoreOutputs) and step.request_ids == ["b"]
+
+
+def test_a_broken_core_fails_everything_and_gives_up_at_once(sockets) -> None:
+    core = ScriptedCore()
+
+    def broken_schedule() -> EngineCoreOutputs:
+        raise RuntimeError("block 3 is freed twice\ndetails")
+
+    core.step = broken_schedule  # type: ignore[method-assign]
+    code, out = _run(core, sockets, [CoreInputs(adds=[_request("a"), _request("b")])])
+    assert code == 1
+    why = "the engine core's bookkeeping failed: RuntimeError: block 3 is freed twice"
+    assert out == [RequestsFailed(["a", "b"], f"the engine can no longer step: {why}"),
+                   EngineCoreFatal(why)]
 
 
 def test_failed_steps_fail_the_requests_and_repeated_failures_end_the_core(sockets) -> None:

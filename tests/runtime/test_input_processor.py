@@ -20,6 +20,7 @@ from nybble.runtime.input_processor import (
     RequestLimits,
 )
 from nybble.runtime.tokenizer import Tokenizer
+from nybble.sampling_params import sample_seed
 
 LIMITS = RequestLimits(max_model_len=512, vocab_size=512, max_num_seqs=8, max_logprobs=20,
                        num_kv_blocks=64, block_size=16)
@@ -46,6 +47,7 @@ PROMPT = [1, 5, 9, 200]
     ("n", 0, "n", "n must be an integer >= 1, got 0"),
     ("n", 9, "n", "n must be <= 8 (max_num_seqs"),
     ("temperature", -0.5, "temperature", "temperature must be a finite number >= 0"),
+    ("top_k", 0.5, "top_k", "got 0.5"),
     ("temperature", math.nan, "temperature", "got nan"),
     ("temperature", math.inf, "temperature", "got inf"),
     ("top_p", 0.0, "top_p", "top_p must be in (0, 1], got 0.0"),
@@ -60,6 +62,8 @@ PROMPT = [1, 5, 9, 200]
     ("seed", 1 << 64, "seed", f"got {1 << 64}"),
     ("seed", -(1 << 63) - 1, "seed", "seed must be an integer in [-9223372036854775808, "),
     ("seed", 1.5, "seed", "got 1.5"),
+    ("seed", -1.0, "seed", ("seed must be an integer in [-9223372036854775808, "
+                            "18446744073709551615] (-1: no seed), got -1.0")),
     ("max_tokens", 0, "max_tokens", "max_tokens must be >= 1, got 0"),
     ("logprobs", 21, "logprobs", "logprobs must be in [0, 20] (max_logprobs 20"),
     ("logprobs", -1, "logprobs", "got -1"),
@@ -76,18 +80,40 @@ def test_each_range_is_checked_and_named(gate: InputProcessor, field: str, value
 
 def test_in_range_values_pass(gate: InputProcessor) -> None:
     params = SamplingParams(n=8, temperature=0.0, top_p=1.0, top_k=512, min_p=1.0,
-                            seed=(1 << 64) - 1 - 7 * 1_000_003, max_tokens=1, logprobs=20,
+                            seed=(1 << 64) - 1, max_tokens=1, logprobs=20,
                             stop=["."], stop_token_ids=[0, 511])
     assert gate.process("r", PROMPT, params).params.max_tokens == 1
     assert gate.process("r", PROMPT, SamplingParams(seed=-(1 << 63))).params.seed == -(1 << 63)
 
 
-def test_seed_range_leaves_room_for_every_sample(gate: InputProcessor) -> None:
-    # sample i is seeded seed + i * 1_000_003: the last sample's seed must fit in 64 bits too
-    top = (1 << 64) - 1 - 2 * 1_000_003
-    gate.process("r", PROMPT, SamplingParams(n=3, seed=top))
-    err = _reject(gate, PROMPT, SamplingParams(n=3, seed=top + 1))
-    assert err.param == "seed" and str(top) in str(err)
+def test_the_whole_seed_range_is_accepted_for_any_n(gate: InputProcessor) -> None:
+    # sample i's generator is seeded (seed + i * 1_000_003) mod 2**64: it never overflows
+    for seed in ((1 << 64) - 1, -(1 << 63), 0):
+        assert gate.process("r", PROMPT, SamplingParams(n=8, seed=seed)).params.seed == seed
+    assert [sample_seed((1 << 64) - 1, i) for i in range(3)] == \
+        [(1 << 64) - 1, 1_000_002, 2_000_005]
+    assert sample_seed(-5, 0) == (1 << 64) - 5   # the generator torch makes of -5 anyway
+
+
+def test_seed_minus_one_means_no_seed(gate: InputProcessor) -> None:
+    assert SamplingParams(seed=-1).seed is None
+    assert gate.process("r", PROMPT, SamplingParams(seed=-1, n=2)).params.seed is None
+    assert SamplingParams(seed=-2).seed == -2
+
+
+@pytest.mark.parametrize("top_p", [1e-39, 1e-45, 5e-324])
+def test_a_top_p_that_underflows_float32_is_greedy(gate: InputProcessor, top_p: float) -> None:
+    params = gate.process("r", PROMPT, SamplingParams(temperature=0.8, top_p=top_p)).params
+    assert params.temperature == 0.0 and params.top_p == top_p
+    kept = gate.process("r", PROMPT, SamplingParams(temperature=0.8, top_p=1.2e-38)).params
+    assert kept.temperature == 0.8
+
+
+def test_temperature_must_fit_float32(gate: InputProcessor) -> None:
+    assert gate.process("r", PROMPT, SamplingParams(temperature=3.4e38)).params.temperature \
+        == 3.4e38
+    err = _reject(gate, PROMPT, SamplingParams(temperature=3.5e38))
+    assert err.param == "temperature" and "at most 3.402823e+38" in str(err)
 
 
 def test_logprobs_capped_by_the_vocabulary(gate: InputProcessor) -> None:

@@ -1,6 +1,7 @@
 """The Cython scheduler against its plain-Python reference (the oracle), step by step.
 
-Random add / schedule / update / finish / abort-in-flight sequences drive both; every
+Random add / schedule / update / finish / abort-in-flight / failed-step (``abort_batch``)
+sequences drive both; every
 ScheduledBatch (input ids, positions, slot mapping, block tables, ... -- identical block ids,
 since both allocate in the same order), every update() result, the counters, the block pool
 and every sequence must match after each operation.
@@ -70,8 +71,9 @@ class SchedulerMatchesReference(RuleBasedStateMachine):
         if ok:
             self.next_id += num_samples
 
-    @rule(seed=st.integers(0, 2**16), abort=st.none() | st.integers(0, 1000))
-    def step(self, seed: int, abort: int | None) -> None:
+    @rule(seed=st.integers(0, 2**16), abort=st.none() | st.integers(0, 1000),
+          fail=st.integers(0, 7))
+    def step(self, seed: int, abort: int | None, fail: int = 1) -> None:
         ok, batch, ref_batch = self._both("schedule")
         assert ok
         assert_same_batch(batch, ref_batch)
@@ -81,6 +83,11 @@ class SchedulerMatchesReference(RuleBasedStateMachine):
         live = sorted(self.ref.seqs)
         if abort is not None and live:          # finished while its batch is in flight
             self._both("finish", live[abort % len(live)], FinishReason.ABORTED)
+        if fail == 0:   # the step raised: its sequences are aborted, the batch dropped
+            got_ids, want_ids = self.cy.abort_batch(batch), self.ref.abort_batch(ref_batch)
+            assert got_ids.dtype == want_ids.dtype and np.array_equal(got_ids, want_ids)
+            event("failed step")
+            return
         # Tokens 0..2 continue the stem's alphabet (more hits); 11 is a stop id.
         sampled = np.random.default_rng(seed).choice([0, 1, 2, 5, STOP], batch.num_sampled)
         got, want = self.cy.update(batch, sampled), self.ref.update(ref_batch, sampled)

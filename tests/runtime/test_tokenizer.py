@@ -2,7 +2,6 @@
 decoder adds up to the text of the whole stream; a folder without tokenizer.json converts."""
 from __future__ import annotations
 
-import glob
 import json
 import os
 import shutil
@@ -16,13 +15,13 @@ from nybble.config import DEFAULT_MODEL
 from nybble.errors import InvalidRequestError
 from nybble.runtime.hf_tokenizer import load_tokenizer
 from nybble.runtime.tokenizer import Tokenizer
-from tests.conftest import SHARED
+from tests.conftest import shared_folders
 
 TEXTS = ["Once upon a time", " a  b\n c ", "é 🙂 日本", "", "Tom said: \"Hi!\" <s> and </s>."]
-FOLDERS = [DEFAULT_MODEL] + sorted(
-    d for d in glob.glob(os.path.join(SHARED, "models", "*")) +
-    glob.glob(os.path.join(SHARED, "fixtures", "quant", "tiny-*"))
-    if os.path.isfile(os.path.join(d, "tokenizer.json")))
+FOLDERS = [DEFAULT_MODEL] + [
+    d for d in shared_folders("models/*", "fixtures/quant/tiny-*")
+    if not isinstance(d, str) or os.path.isfile(os.path.join(d, "tokenizer.json"))]
+STORIES = [DEFAULT_MODEL] + shared_folders("models/stories*")
 
 CHATML = ("{% for m in messages %}{% if m['role'] == 'system' and not loop.first %}"
           "{{ raise_exception('system must come first') }}{% endif %}"
@@ -49,7 +48,7 @@ def test_ids_and_text_equal_transformers(folder: str) -> None:
     assert ours.vocab_size == len(hf)
 
 
-@pytest.mark.parametrize("folder", [f for f in FOLDERS if "stories" in f], ids=os.path.basename)
+@pytest.mark.parametrize("folder", STORIES, ids=os.path.basename)
 def test_chat_template_equals_transformers(folder: str) -> None:
     ours, hf = Tokenizer.from_folder(folder), AutoTokenizer.from_pretrained(folder)
     messages = [{"role": "user", "content": "Tom found a red ball."},

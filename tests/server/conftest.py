@@ -48,7 +48,7 @@ class Server:
 
     def http(self, auth: bool = True) -> httpx.Client:
         """An httpx client, with the ``Authorization`` header unless ``auth`` is false."""
-        headers = {"Authorization": f"Bearer {self.api_key}"} if auth else {}
+        headers = {"Authorization": f"Bearer {self.api_key}"} if auth and self.api_key else {}
         return httpx.Client(base_url=self.url, headers=headers, timeout=120)
 
     def stats(self) -> dict[str, Any]:
@@ -80,6 +80,14 @@ class Server:
                     continue
                 values[s.name] = values.get(s.name, 0.0) + s.value
         return values
+
+    def metric(self, name: str, **labels: str) -> float:
+        """One ``/metrics`` sample of the served model, summed over the labels not given."""
+        text = httpx.get(f"{self.url}/metrics", timeout=30).text
+        return sum(s.value for family in text_string_to_metric_families(text)
+                   for s in family.samples
+                   if s.name == name and s.labels.get("model_name") == "stories260k"
+                   and all(s.labels.get(k) == v for k, v in labels.items()))
 
     def log_tail(self, n: int = 60) -> str:
         """The last ``n`` lines of the server's log."""

@@ -1,0 +1,29 @@
+"""Engine test helpers: build a small engine on the bundled model, drive it to the end, and
+check that it is idle with nothing leaked."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from nybble.config import DEFAULT_MODEL
+from nybble.runtime.engine import LLMEngine
+
+
+def make_engine(**kw: Any) -> LLMEngine:
+    """An engine on the bundled stories260k model with ``kw`` engine arguments."""
+    return LLMEngine.from_engine_args(DEFAULT_MODEL, **kw)
+
+
+def assert_idle_and_clean(engine: LLMEngine) -> None:
+    """Nothing runs or waits, every KV block is free (no reference left), no sampling row,
+    no request on either side, and the load gauges read 0."""
+    stats = engine.get_stats()
+    assert stats.num_running == stats.num_waiting == 0
+    assert stats.num_free_blocks == stats.num_blocks and stats.kv_cache_usage == 0.0
+    assert stats.num_live_tokens == 0
+    state = engine.scheduler.debug_state()
+    assert int(np.count_nonzero(state["ref_counts"])) == 0 and not state["seqs"]
+    assert len(engine.engine_core.runner.sampling) == 0, "sampling rows leaked"
+    assert not engine.engine_core.has_unfinished_requests()
+    assert not engine.has_unfinished_requests() and not engine.requests
