@@ -14,11 +14,12 @@ from nybble.kernels.reference_quant import IntWeight, dequantize_int_weight
 from nybble.quant.compressed import Int8W8A8Linear
 from nybble.quant.linear import QuantLinear
 from nybble.quantize.hf_model import load_model
-from tests.conftest import SHARED
+from tests.conftest import SHARED, shared_folders, shared_path
 
 BASE = os.path.join(SHARED, "fixtures", "quant")
-FIXTURES = sorted(d for d in os.listdir(BASE) if d.startswith("tiny-llama-")
-                  and d not in ("tiny-llama-fp32", "tiny-llama-ct-w8a8"))
+FIXTURES = [d for d in shared_folders("fixtures/quant/tiny-llama-*")
+            if not isinstance(d, str) or os.path.basename(d) not in ("tiny-llama-fp32",
+                                                                      "tiny-llama-ct-w8a8")]
 
 
 def _random_weight(bits: int, k: int, n: int, gs: int, act_order: bool, sym: bool,
@@ -98,7 +99,7 @@ def test_fixture_layers_take_the_kernels(d: str, caplog: pytest.LogCaptureFixtur
     per-channel, 8-bit; AWQ GEMM; compressed-tensors W4A16) runs on the kernels within the
     bound, and the choice is logged once per model."""
     with caplog.at_level(logging.INFO, logger="nybble.quant.linear"):
-        model = load_model(os.path.join(BASE, d))
+        model = load_model(d)
     mods = [m for m in model.modules() if isinstance(m, QuantLinear)]
     assert len(mods) == 14
     notes = [r.getMessage() for r in caplog.records if "CPU matmul" in r.getMessage()]
@@ -115,6 +116,7 @@ def test_fixture_layers_take_the_kernels(d: str, caplog: pytest.LogCaptureFixtur
 
 def test_w8a8_and_disabled_stay_on_the_reference(monkeypatch: pytest.MonkeyPatch,
                                                  caplog: pytest.LogCaptureFixture) -> None:
+    shared_path("fixtures", "quant")
     with caplog.at_level(logging.INFO, logger="nybble.quant.linear"):
         model = load_model(os.path.join(BASE, "tiny-llama-ct-w8a8"))
         assert all(m.cpu_weight is None for m in model.modules() if isinstance(m, Int8W8A8Linear))
