@@ -1,4 +1,5 @@
-"""Build the Cython host runtime (prefix cache, block allocator, sequence table, scheduler).
+"""Build the Cython host runtime (prefix cache, block allocator, sequence table, scheduler)
+and the CPU decode-attention kernel.
 
 Metadata lives in pyproject.toml; this file only declares the extension modules.
 Set ``NYBBLE_CYTHON_DEBUG=1`` to turn bounds checks back on and add line tracing.
@@ -33,6 +34,13 @@ extensions = [
     for name in ("sequence", "prefix_cache", "block_allocator", "batch_builder", "seq_table",
                  "scheduler")
 ]
+# The CPU paged decode attention kernel (nybble/kernels/cpu_attention.pyx).
+# NOTE: -fassociative-math (with the flags it needs) lets GCC vectorise the dot products'
+# sums; no -ffast-math: infinities (the softmax's -inf start) and NaN checks stay IEEE.
+extensions.append(Extension(
+    "nybble.kernels.cpu_attention", ["nybble/kernels/cpu_attention.pyx"], define_macros=macros,
+    extra_compile_args=["-O3", "-fno-math-errno", "-fno-signed-zeros", "-fno-trapping-math",
+                        "-fassociative-math"]))
 
 # NOTE: a separate build dir per mode, so toggling NYBBLE_CYTHON_DEBUG never reuses stale C.
 setup(ext_modules=cythonize(extensions, compiler_directives=directives,

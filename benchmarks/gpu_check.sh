@@ -6,8 +6,10 @@
 #   3. benchmarks/kernels_quant_gemm.py  (INT4 g128 dequant-GEMM vs fp16 matmul)
 #   4. benchmarks/kernels_attention.py   (paged decode attention, batch x context grid)
 #   5. benchmarks/e2e_decode_gpu.py      (end-to-end decode, if present)
+#   6. CUDA graphs: the runtime tests marked gpu (graphs == eager tokens), then
+#      benchmarks/step_breakdown.py eager (--enforce-eager) and with graphs
 #
-# Every step runs under its own timeout (60+150+120+60+90 s = 8 min worst case) so one hang
+# Every step runs under its own timeout (60+120+90+60+75+75 s = 8 min worst case) so one hang
 # cannot eat the budget; the script carries on after a failure and exits non-zero if any step
 # failed. Logs and JSON go to benchmarks/results/
 # and, when $OUT is set (the device runner's output folder), to $OUT as well.
@@ -49,15 +51,20 @@ $PY -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.ve
 'triton', triton.__version__, 'device', torch.cuda.get_device_name())" 2>&1 | tee -a "$LOG_DIR/device.log"
 
 step install 60 $PY -m pip install --no-deps --no-build-isolation -e .
-step kernel_tests 150 $PY -m pytest tests/kernels -q -x -p no:cacheprovider
-step bench_quant_gemm 120 $PY benchmarks/kernels_quant_gemm.py
+step kernel_tests 120 $PY -m pytest tests/kernels -q -x -p no:cacheprovider
+step bench_quant_gemm 90 $PY benchmarks/kernels_quant_gemm.py
 step bench_attention 60 $PY benchmarks/kernels_attention.py
 if [ -f benchmarks/e2e_decode_gpu.py ]; then
-  step bench_e2e_decode 90 $PY benchmarks/e2e_decode_gpu.py
+  step bench_e2e_decode 75 $PY benchmarks/e2e_decode_gpu.py
 else
   echo "=== [bench_e2e_decode] benchmarks/e2e_decode_gpu.py not found: skipped (the lead adds it)"
   SUMMARY+=("bench_e2e_decode: skipped (benchmarks/e2e_decode_gpu.py absent)")
 fi
+
+step cuda_graphs 75 bash -c "$PY -m pytest -m gpu tests/runtime -q -p no:cacheprovider && \
+  $PY benchmarks/step_breakdown.py --steps 50 --engine-args device=cuda,enforce_eager=1 \
+    --label cuda-eager && \
+  $PY benchmarks/step_breakdown.py --steps 50 --engine-args device=cuda --label cuda-graphs"
 
 if [ -n "${OUT:-}" ]; then
   cp "$RESULTS"/*.json "$OUT"/ 2>/dev/null || true

@@ -1,7 +1,7 @@
 """One frozen configuration object that flows down from the CLI / ``LLM(...)`` kwargs.
 
-``EngineConfig`` composes :class:`ModelConfig`, :class:`CacheConfig` and
-:class:`SchedulerConfig`. Every field is validated at construction with a message that
+``EngineConfig`` composes :class:`ModelConfig`, :class:`CacheConfig`,
+:class:`SchedulerConfig` and :class:`CompilationConfig`. Every field is validated at construction with a message that
 names the value received and the allowed range. Nothing mutates a config after it is built;
 values derived at start-up live elsewhere: the number of KV blocks in
 ``nybble.runtime.kv_cache.KVCacheSpec``, the EOS ids and the model's dimensions
@@ -21,7 +21,7 @@ DEFAULT_MODEL = os.path.join(os.path.dirname(__file__), "_bundled", "stories260k
 """Path of the bundled real model (Karpathy's stories260K in Hugging Face Llama format)."""
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
-_ATTN_BACKENDS = ("auto", "torch", "triton")
+_ATTN_BACKENDS = ("auto", "cpu", "torch", "triton")
 _QUANT = (None, "awq", "gptq", "compressed-tensors")
 
 
@@ -237,13 +237,48 @@ class SchedulerConfig:
                self.max_num_batched_tokens)
 
 
+_COMPILATION_LEVELS = (0, 3)
+MAX_CUDA_GRAPH_SIZE = 512
+
+
+@dataclass(frozen=True)
+class CompilationConfig:
+    """How the model's forward runs (vLLM's flag names).
+
+    Attributes:
+        compilation_level: 0 (default): eager PyTorch. 3: ``torch.compile`` (inductor) of the
+            dense segments between attentions (norms, projections, RoPE, MLP; vLLM's piecewise
+            level), compiled on first use: tens of seconds of start-up on a CPU.
+        enforce_eager: never capture CUDA graphs. Otherwise, on CUDA with the Triton
+            attention backend, decode steps replay graphs captured at start-up for
+            batch-size buckets (``cuda_graph_sizes``); ignored on the CPU.
+        cuda_graph_sizes: the buckets (sequences); default 1, 2, 4, then multiples of 8, up
+            to ``max_num_seqs`` (at most 512). A decode step of B sequences runs the graph
+            of the smallest bucket >= B, padded; larger steps run eagerly.
+    """
+
+    compilation_level: int = 0
+    enforce_eager: bool = False
+    cuda_graph_sizes: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        _check(self.compilation_level in _COMPILATION_LEVELS, "compilation_level",
+               "0 (eager) or 3 (torch.compile of the dense segments)", self.compilation_level)
+        sizes = self.cuda_graph_sizes
+        _check(sizes is None or (len(sizes) > 0 and
+                                 all(1 <= b <= MAX_CUDA_GRAPH_SIZE for b in sizes)),
+               "cuda_graph_sizes", f"non-empty batch sizes in [1, {MAX_CUDA_GRAPH_SIZE}]", sizes)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs, built once (``EngineConfig.from_kwargs``).
 
     Attributes:
-        model_config, cache_config, scheduler_config: the parts.
-        attention_backend: ``auto`` (Triton on CUDA, torch on CPU), ``torch`` or ``triton``.
+        model_config, cache_config, scheduler_config, compilation_config: the parts.
+        attention_backend: ``auto`` (Triton on CUDA, ``cpu`` on the CPU), ``cpu`` (the Cython
+            paged decode kernel, torch for prefill), ``torch`` (the pure-torch reference) or
+            ``triton``.
         disable_log_stats: do not log the periodic stats line.
         threads: torch intra-op threads of the process that runs the model; ``None``: the
             default of :func:`nybble.threads.resolve_threads`.
@@ -252,6 +287,7 @@ class EngineConfig:
     model_config: ModelConfig = field(default_factory=ModelConfig)
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
     attention_backend: str = "auto"
     disable_log_stats: bool = False
     threads: int | None = None
@@ -270,7 +306,8 @@ class EngineConfig:
             ValueError: a value outside its range.
         """
         parts: dict[type, dict[str, Any]] = {ModelConfig: {}, CacheConfig: {},
-                                             SchedulerConfig: {}, cls: {}}
+                                             SchedulerConfig: {}, CompilationConfig: {},
+                                             cls: {}}
         if model is not None:
             parts[ModelConfig]["model"] = model
         for key, value in kwargs.items():
@@ -283,4 +320,5 @@ class EngineConfig:
         return cls(model_config=ModelConfig(**parts[ModelConfig]),
                    cache_config=CacheConfig(**parts[CacheConfig]),
                    scheduler_config=SchedulerConfig(**parts[SchedulerConfig]),
+                   compilation_config=CompilationConfig(**parts[CompilationConfig]),
                    **parts[cls])

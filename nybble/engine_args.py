@@ -72,8 +72,19 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
                         action="store_false",
                         help="admit a prompt only when it fits the step's token budget whole")
     parser.add_argument("--attention-backend", default="auto",
-                        choices=["auto", "torch", "triton"],
-                        help="attention kernels (auto: triton on CUDA, torch on CPU)")
+                        choices=["auto", "cpu", "torch", "triton"],
+                        help="attention kernels (auto: triton on CUDA, cpu on the CPU: the "
+                             "Cython decode kernel; torch: the pure-torch reference)")
+    parser.add_argument("--compilation-level", "-O", type=int, default=0, choices=[0, 3],
+                        help="0: eager PyTorch; 3: torch.compile the dense segments between "
+                             "attentions (compiles on first use: tens of seconds on a CPU)")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="never capture CUDA graphs (by default, on CUDA, decode steps "
+                             "replay graphs captured at start-up for batch-size buckets)")
+    parser.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None,
+                        metavar="N",
+                        help="batch sizes to capture CUDA graphs for (default: 1 2 4 8 16 "
+                             "24 ... up to --max-num-seqs, at most 512)")
     parser.add_argument("--disable-log-stats", action="store_true",
                         help="do not log the periodic stats line")
     add_threads_arg(parser)
@@ -93,4 +104,7 @@ def engine_config_from_args(args: argparse.Namespace,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         enable_chunked_prefill=args.enable_chunked_prefill,
         attention_backend=args.attention_backend, disable_log_stats=args.disable_log_stats,
-        threads=args.threads)
+        threads=args.threads, compilation_level=args.compilation_level,
+        enforce_eager=args.enforce_eager,
+        cuda_graph_sizes=None if args.cuda_graph_sizes is None else
+        tuple(args.cuda_graph_sizes))

@@ -99,12 +99,17 @@ def launched_server_process(model: str, serve_args: tuple[str, ...],
                 _wait_ready(proc, url, log_path, timeout_s)
                 yield url, proc.pid
             finally:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+                stop_process(proc)
+
+
+def stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:
+    """SIGTERM ``proc``, then SIGKILL it if it has not exited after ``timeout_s`` seconds."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def _wait_ready(proc: subprocess.Popen[bytes], url: str, log_path: str,

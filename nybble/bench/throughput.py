@@ -194,6 +194,7 @@ def throughput_config_from_args(args: argparse.Namespace) -> ThroughputConfig:
             if args.sweep_max_num_seqs else (args.max_num_seqs,))
     kwargs = {**dataclasses.asdict(ecfg.model_config), **dataclasses.asdict(ecfg.cache_config),
               **dataclasses.asdict(ecfg.scheduler_config),
+              **dataclasses.asdict(ecfg.compilation_config),
               "attention_backend": ecfg.attention_backend, "disable_log_stats": True}
     model = kwargs.pop("model")
     kwargs.pop("max_num_seqs")

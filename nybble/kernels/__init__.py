@@ -1,11 +1,13 @@
-"""Attention backend selection: :func:`get_attention_backend` picks the torch reference or the
-Triton kernels once, when the engine starts. Quantized GEMMs are dispatched per call instead,
+"""Attention backend selection: :func:`get_attention_backend` picks the torch reference, the CPU
+decode kernel (:mod:`nybble.kernels.cpu_backend`) or the Triton kernels once, when the engine
+starts. Quantized GEMMs are dispatched per call instead,
 by the device of the activations, in :mod:`nybble.kernels.quant_ops`; the bit-packing layout
 both the kernels and the checkpoint formats read is :mod:`nybble.kernels.packing`."""
 from __future__ import annotations
 
 import torch
 
+from nybble.kernels.cpu_backend import CpuAttentionBackend, cpu_kernel_available
 from nybble.kernels.interface import AttentionBackend, AttentionMetadata
 from nybble.kernels.reference_attention import TorchAttentionBackend
 
@@ -16,17 +18,26 @@ def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
     """Pick the attention backend.
 
     Args:
-        name: ``auto`` (Triton on CUDA, torch elsewhere), ``torch`` or ``triton``.
+        name: ``auto`` (Triton on CUDA, else ``cpu`` when its kernel is built, else
+            ``torch``), ``cpu`` (the Cython decode kernel + the torch reference), ``torch``
+            (the pure-torch reference) or ``triton``.
         device: where the KV cache lives.
 
     Raises:
-        ValueError: unknown name, or ``triton`` requested where Triton cannot run (no CUDA
-            device and ``TRITON_INTERPRET`` unset, or triton not installed).
+        ValueError: unknown name, ``cpu`` off the CPU, or ``triton`` requested where Triton
+            cannot run (no CUDA device and ``TRITON_INTERPRET`` unset, or triton not
+            installed).
+        RuntimeError: ``cpu`` requested but its kernel extension is not built.
     """
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
+        name = "triton" if device.type == "cuda" else "cpu" if cpu_kernel_available() else \
+            "torch"
     if name == "torch":
         return TorchAttentionBackend()
+    if name == "cpu":
+        if device.type != "cpu":
+            raise ValueError(f"attention_backend 'cpu' needs device 'cpu', got {device.type!r}")
+        return CpuAttentionBackend()
     if name == "triton":
         import os
 
@@ -38,4 +49,4 @@ def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
         except ImportError as e:
             raise ValueError(f"attention_backend 'triton' needs the triton package: {e}") from e
         return TritonAttentionBackend()
-    raise ValueError(f"attention_backend must be one of auto, torch, triton, got {name!r}")
+    raise ValueError(f"attention_backend must be one of auto, cpu, torch, triton, got {name!r}")

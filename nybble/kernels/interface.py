@@ -13,7 +13,7 @@ slot index ``s`` addresses ``kv_cache[:, s // BS, s % BS]``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -33,11 +33,14 @@ class AttentionMetadata:
         query_start_loc: ``[B+1]`` int32, cumulative new-token offsets, starts at 0.
         seq_lens: ``[B]`` int32, tokens of each sequence after this step (cached + new).
         block_tables: ``[B, MB]`` int32, KV block ids; entries past a sequence's blocks are
-            padding (any value, never read).
+            padding (``-1`` or any block id of the pool; never read).
         max_query_len: ``max(q_len_i)`` (python int, tokens).
         max_seq_len: ``max(seq_lens)`` (python int, tokens).
         is_decode_only: every sequence has exactly one new token (lets a backend use its
             decode kernel).
+        plan: backend-private derivations of the fields above (gather indices, masks) that
+            every layer of the step reuses: the first layer makes it, ``None`` until then.
+            NOTE: a metadata object describes one step; build a new one per step.
     """
 
     slot_mapping: torch.Tensor
@@ -47,6 +50,7 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     is_decode_only: bool
+    plan: Any = None
 
 
 class AttentionBackend(Protocol):
@@ -56,13 +60,15 @@ class AttentionBackend(Protocol):
     and device; ``Hq % Hkv == 0``. Post-condition of ``reshape_and_cache``: for every ``t`` with
     ``slot_mapping[t] >= 0``, ``kv_cache[0, slot // BS, slot % BS] == key[t]`` (values alike).
     ``forward`` returns ``[T, Hq, D]`` in the query's dtype, computed with fp32 accumulation.
+    Both are called once per layer with the step's one metadata object.
     """
 
     name: str
 
     def reshape_and_cache(self, key: torch.Tensor, value: torch.Tensor,
-                          kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Write the new tokens' keys and values into their slots of ``kv_cache``."""
+                          kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+        """Write the new tokens' keys and values into their slots of ``kv_cache``
+        (``meta.slot_mapping``; ``-1``: not written)."""
         ...
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor,

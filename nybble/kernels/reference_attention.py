@@ -3,8 +3,19 @@
 Algorithm: PagedAttention (Kwon et al., SOSP 2023), KV read through block tables; masking as
 in FlashAttention-2's varlen causal mode (each sequence's new tokens are the last ``q_len`` of
 its ``seq_len`` tokens). Shapes follow :mod:`nybble.kernels.interface`.
+
+What depends only on the batch layout (which cache rows each sequence reads, the masks, where
+each token sits in the padded query) is derived once per step, by the first layer, into
+``meta.plan`` (:class:`AttentionPlan`); the other layers reuse it. Decode rows (one new token)
+take a path of four ops: one gather of their keys/values laid out ``[B * Hkv, S, D]``, then
+``softmax(q k^T * scale + mask) v`` as two batched GEMMs (the query heads of one KV head are
+the rows of one GEMM: GQA without copying K/V). Prefill chunks are padded to their group's
+longest chunk and run through ``scaled_dot_product_attention`` with a causal mask.
 """
 from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -21,42 +32,225 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Te
         kv_cache: ``[2, NB, BS, Hkv, D]``, written in place.
         slot_mapping: ``[T]`` int64 flat slot per token; ``-1`` entries are skipped.
     """
+    write_slots(key, value, kv_cache, slot_mapping, write_rows(slot_mapping))
+
+
+def write_rows(slot_mapping: torch.Tensor) -> torch.Tensor | None:
+    """``[W]`` int64 rows whose slot is ``>= 0``, or ``None`` when every row's is (one host
+    sync: done once per step)."""
+    valid = slot_mapping >= 0
+    return None if bool(valid.all()) else valid.nonzero().flatten()
+
+
+def write_slots(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                slot_mapping: torch.Tensor, rows: torch.Tensor | None) -> None:
+    """Write tokens ``rows`` (all when None) of ``key``/``value`` to their slots."""
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
-    valid = slot_mapping >= 0
-    if bool(valid.all()):
-        flat[0].index_copy_(0, slot_mapping, key)
-        flat[1].index_copy_(0, slot_mapping, value)
-    else:
-        slots = slot_mapping[valid]
-        flat[0].index_copy_(0, slots, key[valid])
-        flat[1].index_copy_(0, slots, value[valid])
+    if rows is not None:
+        slot_mapping, key, value = slot_mapping[rows], key[rows], value[rows]
+    flat[0].index_copy_(0, slot_mapping, key)
+    flat[1].index_copy_(0, slot_mapping, value)
 
 
-def gather_kv(kv_cache: torch.Tensor, block_tables: torch.Tensor,
-              max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Read each sequence's first ``max_seq_len`` key/value slots through its block table.
+@dataclass(slots=True)
+class DecodePlan:
+    """The decode rows (one new token each) of a step, as every layer reads them.
 
-    Returns:
-        ``(keys, values)``, each ``[B, max_seq_len, Hkv, D]``; positions past a sequence's
-        length hold whatever the padded block ids point at and must be masked by the caller.
+    Attributes:
+        tokens: ``[Bd]`` int64 flat token row of each decode sequence, or ``None`` when the
+            step is decode-only (row ``b`` is sequence ``b``).
+        kv_rows: ``[Bd * Hkv * S]`` int64 rows of the cache viewed ``[2, NB * BS * Hkv, D]``,
+            ordered (sequence, KV head, position) so one ``index_select`` yields
+            ``[Bd * Hkv, S, D]``; positions past a sequence's length read row 0 (masked).
+        bias: ``[Bd * Hkv, 1, S]`` float32 additive mask: 0 for key positions
+            ``< seq_len``, ``-inf`` past it.
+        max_seq_len: ``S`` (tokens).
     """
-    block_size = kv_cache.shape[2]
-    num_blocks_needed = (max_seq_len + block_size - 1) // block_size
-    tables = block_tables[:, :num_blocks_needed].long().clamp(min=0)  # [B, nb]
-    batch, nb = tables.shape
-    # NOTE: index_select on the block axis is ~5x faster on CPU than advanced indexing.
-    kv = kv_cache.index_select(1, tables.flatten())  # [2, B * nb, BS, Hkv, D]
-    kv = kv.view(2, batch, nb * block_size, *kv_cache.shape[3:])[:, :, :max_seq_len]
-    return kv[0], kv[1]
+
+    tokens: torch.Tensor | None
+    kv_rows: torch.Tensor
+    bias: torch.Tensor
+    max_seq_len: int
+
+
+@dataclass(slots=True)
+class PrefillPlan:
+    """The prefill chunks (more than one new token) of a step, padded to the longest.
+
+    Attributes:
+        tokens: ``[Tp]`` int64 flat token rows of the chunks, or ``None`` when every token
+            of the step is in a chunk (then they are in order).
+        pad_rows: ``[Tp]`` int64 row of each token in the padded ``[Bp * max_q]`` layout.
+        kv_slots: ``[Bp * S]`` int64 cache slots (``[2, NB * BS, Hkv, D]`` view) each chunk
+            reads; past a sequence's length they read slot 0 (masked).
+        allowed: ``[Bp, 1, max_q, S]`` bool causal mask.
+        batch, max_query_len, max_seq_len: ``Bp``, ``max_q``, ``S``.
+    """
+
+    tokens: torch.Tensor | None
+    pad_rows: torch.Tensor
+    kv_slots: torch.Tensor
+    allowed: torch.Tensor
+    batch: int
+    max_query_len: int
+    max_seq_len: int
+
+
+@dataclass(slots=True)
+class AttentionPlan:
+    """``meta.plan`` of the torch backend: one step's decode and prefill groups, and which
+    tokens write the cache (``write_rows``: all when ``None``; ``-1`` slots are skipped)."""
+
+    decode: DecodePlan | None
+    prefill: PrefillPlan | None
+    write_rows: torch.Tensor | None
+
+
+_ARANGE: dict[torch.device, torch.Tensor] = {}
+
+
+def _arange(n: int, device: torch.device) -> torch.Tensor:
+    """``arange(n)`` int64, a slice of one cached tensor per device (grown on demand)."""
+    cached = _ARANGE.get(device)
+    if cached is None or cached.shape[0] < n:
+        cached = _ARANGE[device] = torch.arange(max(n, 4096), device=device)
+    return cached[:n]
+
+
+@functools.lru_cache(maxsize=16)
+def _row_offsets(block_size: int, num_kv_heads: int, device: torch.device) -> torch.Tensor:
+    """``[Hkv, 1, BS]`` int64: row ``j * Hkv + h`` of slot ``j`` of a block, KV head ``h``."""
+    heads = torch.arange(num_kv_heads, device=device)[:, None, None]
+    return torch.arange(block_size, device=device)[None, None, :] * num_kv_heads + heads
+
+
+def _block_rows(block_tables: torch.Tensor, max_seq_len: int, block_size: int,
+                rows_per_slot: int) -> torch.Tensor:
+    """``[B, nb]`` int64 first row of each block holding the first ``S = max_seq_len``
+    positions, in a cache view with ``rows_per_slot`` rows per slot; padding (``-1``) reads
+    block 0 (the caller masks it)."""
+    nb = -(-max_seq_len // block_size)
+    return block_tables[:, :nb].long().clamp_(min=0).mul_(block_size * rows_per_slot)
+
+
+def _slots(block_tables: torch.Tensor, max_seq_len: int, block_size: int) -> torch.Tensor:
+    """``[B * S]`` int64 cache slot of each sequence's first ``S = max_seq_len`` positions."""
+    base = _block_rows(block_tables, max_seq_len, block_size, 1)
+    batch, nb = base.shape
+    slots = (base[:, :, None] + _arange(block_size, base.device)).view(batch, nb * block_size)
+    return slots[:, :max_seq_len].reshape(-1)
+
+
+def _plan_decode(meta: AttentionMetadata, group: torch.Tensor | None, kv_cache: torch.Tensor
+                 ) -> DecodePlan:
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    seq_lens, tables = meta.seq_lens, meta.block_tables
+    tokens = None
+    if group is None:
+        max_seq_len = meta.max_seq_len
+    else:
+        seq_lens, tables = seq_lens[group], tables[group]
+        tokens = meta.query_start_loc[:-1].long()[group]
+        max_seq_len = int(seq_lens.max())
+    base = _block_rows(tables, max_seq_len, block_size, num_kv_heads)
+    batch, nb = base.shape
+    rows = base.view(batch, 1, nb, 1) + _row_offsets(block_size, num_kv_heads, base.device)
+    kv_rows = rows.view(batch, num_kv_heads, nb * block_size)[:, :, :max_seq_len].reshape(-1)
+    masked = _arange(max_seq_len, base.device) >= seq_lens.view(batch, 1, 1, 1)
+    bias = torch.where(masked, float("-inf"), 0.0).expand(batch, num_kv_heads, 1, max_seq_len)
+    return DecodePlan(tokens, kv_rows, bias.reshape(-1, 1, max_seq_len), max_seq_len)
+
+
+def _plan_prefill(meta: AttentionMetadata, group: torch.Tensor | None, q_lens: torch.Tensor,
+                  kv_cache: torch.Tensor) -> PrefillPlan:
+    qsl = meta.query_start_loc.long()
+    seq_lens, tables, starts = meta.seq_lens.long(), meta.block_tables, qsl[:-1]
+    if group is not None:
+        q_lens, seq_lens, tables, starts = q_lens[group], seq_lens[group], tables[group], \
+            starts[group]
+    batch = q_lens.shape[0]
+    max_q, max_s = int(q_lens.max()), int(seq_lens.max())
+    device = q_lens.device
+    seq_of_row = torch.repeat_interleave(torch.arange(batch, device=device), q_lens)
+    row_in_seq = torch.arange(seq_of_row.shape[0], device=device) - \
+        torch.repeat_interleave(torch.cumsum(q_lens, 0) - q_lens, q_lens)
+    tokens = None if group is None else starts[seq_of_row] + row_in_seq
+    # Query row r of sequence b sits at absolute position seq_len - q_len + r.
+    q_pos = (seq_lens - q_lens)[:, None] + torch.arange(max_q, device=device)[None, :]
+    k_pos = torch.arange(max_s, device=device)
+    allowed = (k_pos[None, None, :] <= q_pos[:, :, None]) & \
+        (k_pos[None, None, :] < seq_lens[:, None, None])  # [Bp, max_q, S]
+    return PrefillPlan(tokens, seq_of_row * max_q + row_in_seq,
+                       _slots(tables, max_s, kv_cache.shape[2]), allowed[:, None], batch,
+                       max_q, max_s)
+
+
+def plan_attention(meta: AttentionMetadata, kv_cache: torch.Tensor) -> AttentionPlan:
+    """Derive the step's :class:`AttentionPlan` from ``meta`` (for a cache shaped like
+    ``kv_cache``); one host sync (are all slots written?), one more for a mixed batch."""
+    rows = write_rows(meta.slot_mapping)
+    if meta.is_decode_only or meta.max_query_len == 1:
+        return AttentionPlan(_plan_decode(meta, None, kv_cache), None, rows)
+    qsl = meta.query_start_loc.long()
+    q_lens = qsl[1:] - qsl[:-1]
+    is_decode = q_lens == 1
+    if not bool(is_decode.any()):
+        return AttentionPlan(None, _plan_prefill(meta, None, q_lens, kv_cache), rows)
+    return AttentionPlan(_plan_decode(meta, is_decode.nonzero().flatten(), kv_cache),
+                         _plan_prefill(meta, (~is_decode).nonzero().flatten(), q_lens, kv_cache),
+                         rows)
+
+
+def _group_query(query: torch.Tensor, kv_cache: torch.Tensor, tokens: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, int, int, int, torch.dtype]:
+    """A group's query rows (all when ``tokens`` is None), ``Hq``, ``Hkv``, ``D`` and the
+    compute dtype (float64 for float64 inputs, else float32)."""
+    num_heads, head_dim = query.shape[1:]
+    acc = torch.float64 if query.dtype == torch.float64 else torch.float32
+    q = query if tokens is None else query[tokens]
+    return q, num_heads, kv_cache.shape[3], head_dim, acc
+
+
+def _decode(query: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan,
+            scale: float) -> torch.Tensor:
+    """``softmax(q k^T * scale + mask) v`` for the decode rows; ``[Bd, Hq, D]`` float."""
+    q, num_heads, num_kv_heads, head_dim, acc = _group_query(query, kv_cache, plan.tokens)
+    batch, s = q.shape[0], plan.max_seq_len
+    kv = kv_cache.view(2, -1, head_dim).index_select(1, plan.kv_rows)
+    if kv.dtype != acc:
+        kv, q = kv.to(acc), q.to(acc)
+    keys, values = kv.view(2, batch * num_kv_heads, s, head_dim).unbind(0)
+    # NOTE: the product makes q contiguous, so [B, Hq, D] views as [B * Hkv, group, D].
+    q = (q * scale).view(batch * num_kv_heads, num_heads // num_kv_heads, head_dim)
+    probs = torch.baddbmm(_cast(plan.bias, acc), q, keys.transpose(1, 2)).softmax(dim=-1)
+    return torch.bmm(probs, values).view(batch, num_heads, head_dim)
+
+
+def _prefill(query: torch.Tensor, kv_cache: torch.Tensor, plan: PrefillPlan,
+             scale: float) -> torch.Tensor:
+    """Causal attention of the prefill chunks, padded; ``[Tp, Hq, D]`` float."""
+    q, num_heads, num_kv_heads, head_dim, acc = _group_query(query, kv_cache, plan.tokens)
+    q_pad = q.new_zeros(plan.batch * plan.max_query_len, num_heads, head_dim, dtype=acc)
+    q_pad.index_copy_(0, plan.pad_rows, _cast(q, acc))
+    q_pad = q_pad.view(plan.batch, plan.max_query_len, num_heads, head_dim)
+    kv = kv_cache.view(2, -1, num_kv_heads, head_dim).index_select(1, plan.kv_slots)
+    kv = _cast(kv.view(2, plan.batch, plan.max_seq_len, num_kv_heads, head_dim), acc)
+    # NOTE: padded query rows may be fully masked (NaN out); they are dropped below.
+    out = F.scaled_dot_product_attention(
+        q_pad.transpose(1, 2), kv[0].transpose(1, 2), kv[1].transpose(1, 2),
+        attn_mask=plan.allowed, scale=scale, enable_gqa=num_heads > num_kv_heads)
+    out = out.transpose(1, 2).reshape(-1, num_heads, head_dim)  # [Bp * max_q, Hq, D]
+    return out.index_select(0, plan.pad_rows)
 
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float) -> torch.Tensor:
     """Varlen causal attention of new tokens over their cached prefixes (GQA aware).
 
-    Decode sequences (one new token) and prefill chunks are computed as two padded groups, so
-    a long prefill chunk does not pad every decode row to its length.
+    Decode sequences (one new token) and prefill chunks are computed as two groups, so a long
+    prefill chunk does not pad every decode row to its length. Uses ``meta.plan`` when a
+    previous layer made it (:func:`plan_attention`), else makes it.
 
     Args:
         query: ``[T, Hq, D]``.
@@ -67,71 +261,39 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
     Returns:
         ``[T, Hq, D]`` in ``query.dtype``; computed in float32, or float64 for float64 inputs.
     """
-    qsl = meta.query_start_loc.long()
-    q_lens = qsl[1:] - qsl[:-1]  # [B]
-    if meta.is_decode_only or meta.max_query_len == 1:
-        return _padded_group(query, kv_cache, meta, scale, None)
+    plan = meta.plan
+    if not isinstance(plan, AttentionPlan):
+        plan = meta.plan = plan_attention(meta, kv_cache)
+    dec, pre = plan.decode, plan.prefill
+    if dec is not None and dec.tokens is None:
+        return _cast(_decode(query, kv_cache, dec, scale), query.dtype)
+    if pre is not None and pre.tokens is None:
+        return _cast(_prefill(query, kv_cache, pre, scale), query.dtype)
     out = torch.empty_like(query)
-    for is_decode in (True, False):
-        group = ((q_lens == 1) == is_decode).nonzero().flatten()
-        if group.numel():
-            tokens = torch.repeat_interleave(qsl[:-1][group], q_lens[group]) + \
-                _ranks(q_lens[group])
-            out[tokens] = _padded_group(query, kv_cache, meta, scale, group)
+    if dec is not None:
+        out[dec.tokens] = _decode(query, kv_cache, dec, scale).to(query.dtype)
+    if pre is not None:
+        out[pre.tokens] = _prefill(query, kv_cache, pre, scale).to(query.dtype)
     return out
 
 
-def _ranks(lengths: torch.Tensor) -> torch.Tensor:
-    """``[0..l0-1, 0..l1-1, ...]`` for ``lengths [G]``."""
-    starts = torch.cumsum(lengths, 0) - lengths
-    return torch.arange(int(lengths.sum()), device=lengths.device) - \
-        torch.repeat_interleave(starts, lengths)
-
-
-def _padded_group(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                  scale: float, group: torch.Tensor | None) -> torch.Tensor:
-    """Attention for the sequences ``group`` (all when None), padded to the group's longest
-    query and context; returns their tokens' outputs in batch order, ``[T_group, Hq, D]``."""
-    num_heads, head_dim = query.shape[1:]
-    num_kv_heads = kv_cache.shape[3]
-    heads_per_kv = num_heads // num_kv_heads
-    acc_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
-    qsl = meta.query_start_loc.long()
-    q_lens, seq_lens, tables = qsl[1:] - qsl[:-1], meta.seq_lens.long(), meta.block_tables
-    if group is not None:
-        q_lens, seq_lens, tables = q_lens[group], seq_lens[group], tables[group]
-        starts = qsl[:-1][group]
-    else:
-        starts = qsl[:-1]
-    batch = q_lens.shape[0]
-    max_q, max_s = int(q_lens.max()), int(seq_lens.max())
-    keys, values = gather_kv(kv_cache, tables, max_s)  # [B, S, Hkv, D]
-    seq_of_row = torch.repeat_interleave(torch.arange(batch, device=query.device), q_lens)
-    row_in_seq = _ranks(q_lens)
-    q_pad = query.new_zeros(batch, max_q, num_heads, head_dim, dtype=acc_dtype)
-    q_pad[seq_of_row, row_in_seq] = query[starts[seq_of_row] + row_in_seq].to(acc_dtype)
-    # Query row r of sequence b sits at absolute position seq_len - q_len + r.
-    q_pos = (seq_lens - q_lens)[:, None] + torch.arange(max_q, device=query.device)[None, :]
-    k_pos = torch.arange(max_s, device=query.device)
-    allowed = (k_pos[None, None, :] <= q_pos[:, :, None]) & \
-        (k_pos[None, None, :] < seq_lens[:, None, None])  # (B, max_q, S)
-    # NOTE: padded query rows may be fully masked (NaN out); they are dropped below.
-    out = F.scaled_dot_product_attention(
-        q_pad.transpose(1, 2), keys.to(acc_dtype).transpose(1, 2),
-        values.to(acc_dtype).transpose(1, 2), attn_mask=allowed[:, None], scale=scale,
-        enable_gqa=heads_per_kv > 1)  # (B, Hq, max_q, D)
-    return out.transpose(1, 2)[seq_of_row, row_in_seq].to(query.dtype)
+def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 class TorchAttentionBackend:
-    """The CPU attention backend: :func:`reshape_and_cache` + :func:`paged_attention`."""
+    """The CPU attention backend: :func:`reshape_and_cache` + :func:`paged_attention`, with
+    the step's :class:`AttentionPlan` made once (first layer) and reused by the others."""
 
     name = "torch"
 
     def reshape_and_cache(self, key: torch.Tensor, value: torch.Tensor,
-                          kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """See :func:`reshape_and_cache`."""
-        reshape_and_cache(key, value, kv_cache, slot_mapping)
+                          kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+        """See :func:`reshape_and_cache`; the ``-1`` slots are found once per step."""
+        plan = meta.plan
+        if not isinstance(plan, AttentionPlan):
+            plan = meta.plan = plan_attention(meta, kv_cache)
+        write_slots(key, value, kv_cache, meta.slot_mapping, plan.write_rows)
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:

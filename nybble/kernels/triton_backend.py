@@ -20,9 +20,9 @@ class TritonAttentionBackend:
     name = "triton"
 
     def reshape_and_cache(self, key: torch.Tensor, value: torch.Tensor,
-                          kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """See :func:`nybble.kernels.triton_cache.reshape_and_cache`."""
-        reshape_and_cache(key, value, kv_cache, slot_mapping)
+                          kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+        """See :func:`nybble.kernels.triton_cache.reshape_and_cache` (``meta.slot_mapping``)."""
+        reshape_and_cache(key, value, kv_cache, meta.slot_mapping)
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:

@@ -4,7 +4,9 @@ Flat-batch convention: activations are ``[T, hidden]`` for the ``T`` new tokens 
 """
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -25,13 +27,24 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device),
                                    requires_grad=False)
         self.eps = eps
+        self.normalized_shape = (hidden_size,)
+
+    def as_function(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """:meth:`forward` as a plain callable for activations of the weight's dtype (no
+        ``nn.Module`` dispatch per call)."""
+        if self.weight.dtype == torch.float32:
+            return functools.partial(torch.rms_norm, normalized_shape=self.normalized_shape,
+                                     weight=self.weight, eps=self.eps)
+        return self.forward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalise each row of ``x: [T, hidden]``."""
-        in_dtype = x.dtype
+        if x.dtype == torch.float32:
+            # NOTE: one fused op; in float32 it computes HF's operations bit for bit (tested).
+            return torch.rms_norm(x, self.normalized_shape, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(in_dtype)
+        return self.weight * xf.to(x.dtype)
 
 
 def _rope_config(config: Any) -> dict:
@@ -85,7 +98,10 @@ class RotaryEmbedding(nn.Module):
     ``factor``; ``llama3`` is Llama 3.1's scaling (:func:`llama3_inv_freq`); other scaled
     types (``yarn``, ``longrope``...) come from transformers' ``ROPE_INIT_FUNCTIONS``. Tests
     compare all of them with transformers. A cos/sin table for every position up to
-    ``max_positions`` is built once at start-up.
+    ``max_positions`` is built once at start-up, in the full-width form ``cos = [c, c]``,
+    ``sin = [-s, s]`` so that a rotation is ``x * cos + roll(x) * sin`` (``roll`` swaps the
+    halves): the products HF's ``rotate_half`` form computes, bit for bit. :meth:`lookup`
+    gathers a step's rows once; every layer's :meth:`apply` reuses them.
 
     Raises:
         UnsupportedModelError: a ``rope_type`` transformers does not know, or ``dynamic``
@@ -108,18 +124,25 @@ class RotaryEmbedding(nn.Module):
             inv_freq, scaling = _transformers_inv_freq(config, rope_type)
         pos = torch.arange(max_positions, dtype=torch.float32)
         freqs = pos[:, None] * inv_freq.float()[None, :]  # (max_positions, head_dim / 2)
-        self.register_buffer("cos", (freqs.cos() * scaling).to(device), persistent=False)
-        self.register_buffer("sin", (freqs.sin() * scaling).to(device), persistent=False)
+        cos, sin = freqs.cos() * scaling, freqs.sin() * scaling
+        table = torch.stack((torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)), 1)
+        self.register_buffer("cos_sin", table.to(device), persistent=False)  # (P, 2, head_dim)
+        self.half = head_dim // 2
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x: [T, heads, head_dim]`` by its token's position (``positions: [T]``)."""
-        cos = self.cos[positions].to(x.dtype)[:, None, :]  # (T, 1, head_dim / 2)
-        sin = self.sin[positions].to(x.dtype)[:, None, :]
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)``, each ``[T, 1, head_dim]`` in ``dtype``, for ``positions: [T]``."""
+        rows = self.cos_sin.index_select(0, positions).to(dtype)  # (T, 2, head_dim)
+        return rows[:, 0:1], rows[:, 1:2]
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x: [T, heads, head_dim]`` by :meth:`lookup`'s ``cos``/``sin``; a new
+        contiguous tensor."""
+        return x * cos + torch.roll(x, self.half, -1) * sin
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """SwiGLU activation (Shazeer, 2020): ``x: [T, 2I] -> silu(x[:, :I]) * x[:, I:]``."""
-    gate, up = x.chunk(2, dim=-1)
-    return nn.functional.silu(gate) * up
+    """SwiGLU activation (Shazeer, 2020): ``x: [T, 2I] -> silu(x[:, :I]) * x[:, I:]``
+    (a new contiguous tensor)."""
+    half = x.shape[-1] // 2
+    return nn.functional.silu(x[..., :half]).mul_(x[..., half:])

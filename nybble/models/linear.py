@@ -10,6 +10,8 @@ tensor), and hand the result to :meth:`load_tensors`. Names whose ``output_dims`
 """
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import ClassVar, Protocol
 
 import torch
@@ -72,6 +74,17 @@ class DenseLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x: [T, in] -> [T, out]``."""
         return nn.functional.linear(x, self.weight, self.bias)
+
+    def as_function(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """:meth:`forward` as a plain callable (no ``nn.Module`` dispatch per call)."""
+        return functools.partial(nn.functional.linear, weight=self.weight, bias=self.bias)
+
+
+def as_function(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``module``'s forward as a plain callable: its ``as_function()`` when it has one (dense
+    layers, norms), else its bound ``forward`` (quantized linears)."""
+    make = getattr(module, "as_function", None)
+    return make() if make is not None else module.forward
 
 
 class LinearFactory(Protocol):

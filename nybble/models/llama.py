@@ -13,13 +13,23 @@ from torch import nn
 
 from nybble.kernels.interface import AttentionBackend, AttentionMetadata
 from nybble.models.hf_config import HFConfig
-from nybble.models.layers import RMSNorm, RotaryEmbedding, silu_and_mul
-from nybble.models.linear import LinearFactory, build_linear
+from nybble.models.layer_ops import (
+    EAGER_SEGMENTS,
+    LayerOps,
+    ModelOps,
+    Segments,
+    post_attention,
+    pre_attention,
+    run_step,
+)
+from nybble.models.layers import RMSNorm, RotaryEmbedding
+from nybble.models.linear import LinearFactory, as_function, build_linear
 from nybble.models.shape import ModelShape
 
 
 class LlamaAttention(nn.Module):
-    """Self-attention: fused qkv -> RoPE -> write KV cache -> paged attention -> o_proj."""
+    """Self-attention: fused qkv -> RoPE -> write KV cache -> paged attention -> o_proj (the
+    step runs it through :mod:`nybble.models.layer_ops`)."""
 
     def __init__(self, shape: ModelShape, prefix: str, linear: LinearFactory,
                  rope: RotaryEmbedding, backend: AttentionBackend, bias: tuple[bool, bool],
@@ -42,21 +52,18 @@ class LlamaAttention(nn.Module):
         self.rope = rope
         self.backend = backend
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """``x: [T, hidden]`` -> ``[T, hidden]``; writes this step's K/V into ``kv_cache``."""
-        num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.rope(positions, q.reshape(num_tokens, self.num_heads, self.head_dim))
-        k = self.rope(positions, k.reshape(num_tokens, self.num_kv_heads, self.head_dim))
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        self.backend.reshape_and_cache(k, v, kv_cache, meta.slot_mapping)
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Write this step's ``k``/``v`` ``[T, Hkv, D]`` into ``kv_cache`` and attend with
+        ``q [T, Hq, D]``: ``[T, Hq * D]`` (before ``o_proj``)."""
+        self.backend.reshape_and_cache(k, v, kv_cache, meta)
         out = self.backend.forward(q, kv_cache, meta, self.scale)  # (T, Hq, D)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return out.view(q.shape[0], self.q_size)
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU feed-forward with a fused gate/up projection."""
+    """SwiGLU feed-forward with a fused gate/up projection (run by
+    :func:`nybble.models.layer_ops.post_attention`)."""
 
     def __init__(self, config: HFConfig, prefix: str, linear: LinearFactory,
                  dtype: torch.dtype, device: torch.device) -> None:
@@ -72,10 +79,6 @@ class LlamaMLP(nn.Module):
                                          hidden, [inter, inter], bias, dtype, device)
         self.down_proj = build_linear(linear, [f"{prefix}.down_proj"], inter, [hidden], bias,
                                       dtype, device)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x: [T, hidden]`` -> ``[T, hidden]``."""
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -93,11 +96,13 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
         self.mlp = LlamaMLP(config, f"{prefix}.mlp", linear, dtype, device)
 
-    def forward(self, positions: torch.Tensor, h: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """``h: [T, hidden]`` -> ``[T, hidden]``."""
-        h = h + self.self_attn(positions, self.input_layernorm(h), kv_cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """``h: [T, hidden]`` -> ``[T, hidden]`` (one layer alone; the model's step runs
+        every layer through :mod:`nybble.models.layer_ops` instead)."""
+        ops = LayerOps.of(self)
+        attn = ops.attend(*pre_attention(ops, h, cos, sin), kv_cache, meta)
+        return post_attention(ops, h, attn)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -117,8 +122,10 @@ class LlamaForCausalLM(nn.Module):
                  device: torch.device, bias: tuple[bool, bool] = (False, False)) -> None:
         super().__init__()
         self.config = config
+        self.attention_backend = backend
         self.shape = ModelShape.from_hf_config(config)
-        rope = RotaryEmbedding(config, self.shape.head_dim, max_positions, device)
+        self.rotary_emb = rope = RotaryEmbedding(config, self.shape.head_dim, max_positions,
+                                                 device)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype,
                                          device=device)
         self.embed_tokens.weight.requires_grad_(False)
@@ -130,14 +137,38 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if self.tie_word_embeddings else nn.Parameter(
             torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device),
             requires_grad=False)
+        self.segments: Segments = EAGER_SEGMENTS
+        self._ops: ModelOps | None = None
+
+    def ops(self) -> ModelOps:
+        """The model as plain callables (:class:`ModelOps`), built on first use: after the
+        weights are loaded, which copies into the same parameter tensors.
+
+        NOTE: the ops hold the parameter tensors; ``.to()``/``.half()`` (``_apply``) drop
+        them, and so must any code that assigns new parameter tensors to a submodule."""
+        if self._ops is None:
+            self._ops = ModelOps(self.embed_tokens.weight, self.rotary_emb,
+                                 tuple(LayerOps.of(layer) for layer in self.layers),
+                                 as_function(self.norm))
+        return self._ops
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        self._ops = None   # parameters may be new tensors after .to() / .half()
+        return super()._apply(fn, recurse)
+
+    def compile_segments(self) -> None:
+        """``torch.compile`` (inductor) the dense segments between attentions; attention and
+        the KV-cache writes stay eager (vLLM's piecewise compilation). Each segment compiles
+        on its first call, with a dynamic token count."""
+        self.segments = tuple(torch.compile(f, dynamic=True)  # type: ignore[assignment]
+                              for f in EAGER_SEGMENTS)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        """``input_ids, positions: [T]`` (int64) -> final hidden states ``[T, hidden]``."""
-        h = self.embed_tokens(input_ids)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            h = layer(positions, h, kv_cache, meta)
-        return self.norm(h)
+        """``input_ids, positions: [T]`` (int32 or int64) -> final hidden states
+        ``[T, hidden]``; writes the step's K/V into ``kv_caches`` (see
+        :func:`nybble.models.layer_ops.run_step`)."""
+        return run_step(self.ops(), self.segments, input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden: [S, hidden]`` -> logits ``[S, vocab]`` (tied to the embeddings if so)."""

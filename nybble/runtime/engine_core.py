@@ -77,7 +77,7 @@ class EngineCore:
                              f"{mc.max_logprobs}")
         self.kv_spec = plan_kv_cache(config.cache_config, self.loaded.shape, self.loaded.dtype,
                                      self.device)
-        self.runner = ModelRunner(self.loaded, self.kv_spec, self.device, mc.seed)
+        self.runner = ModelRunner(self.loaded, self.kv_spec, self.device, config)
         sc = config.scheduler_config
         self.max_model_len = self.loaded.max_model_len
         self.scheduler = Scheduler(self.kv_spec.num_blocks, self.kv_spec.block_size,
@@ -276,6 +276,9 @@ class EngineCore:
 
     def _note_live_tokens(self) -> None:
         """Tokens whose K/V the last step's sequences still hold (finished ones freed theirs)."""
+        if not self._last_finished:
+            self._live_tokens = int(self._last_lens.sum())
+            return
         still_running = ~np.isin(self._last_ids, self._last_finished)
         self._live_tokens = int(self._last_lens[still_running].sum())
 

@@ -6,6 +6,7 @@ One tensor per layer, ``[2, num_blocks, block_size, num_kv_heads, head_dim]``: i
 """
 from __future__ import annotations
 
+import mmap
 import os
 from dataclasses import dataclass
 
@@ -101,9 +102,10 @@ def allocate_kv_cache(spec: KVCacheSpec, device: torch.device) -> list[torch.Ten
     """One zeroed ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` tensor per layer.
 
     NOTE: zeroed, not empty: masked-out slots are multiplied by a zero probability, and
-    uninitialised memory may hold NaN (0 * NaN = NaN). On CPU the zeros come from numpy's
-    calloc, whose pages the OS maps lazily: start-up does not touch the whole pool, and
-    resident memory grows with the blocks actually written.
+    uninitialised memory may hold NaN (0 * NaN = NaN). On CPU each tensor is an anonymous
+    ``mmap`` (not ``malloc``, which the CPU runner tells to reuse freed heap memory): the OS
+    maps its zero pages lazily, so start-up does not touch the whole pool, resident memory
+    grows with the blocks actually written, and freeing the cache returns it to the OS.
 
     Raises:
         ValueError: the allocation failed for lack of memory (one line, naming the bytes).
@@ -112,11 +114,12 @@ def allocate_kv_cache(spec: KVCacheSpec, device: torch.device) -> list[torch.Ten
     np_dtype = {torch.float32: np.float32, torch.float16: np.float16}.get(spec.dtype)
     try:
         if device.type == "cpu" and np_dtype is not None:
-            return [torch.from_numpy(np.zeros(shape, dtype=np_dtype))
-                    for _ in range(spec.num_layers)]
+            nbytes = int(np.prod(shape)) * np.dtype(np_dtype).itemsize
+            return [torch.from_numpy(np.frombuffer(mmap.mmap(-1, nbytes), dtype=np_dtype)
+                                     .reshape(shape)) for _ in range(spec.num_layers)]
         return [torch.zeros(shape, dtype=spec.dtype, device=device)
                 for _ in range(spec.num_layers)]
-    except (MemoryError, torch.OutOfMemoryError) as e:  # NOTE: one line for the user
+    except (MemoryError, OSError, torch.OutOfMemoryError) as e:  # NOTE: one line for the user
         raise ValueError(f"the KV cache ({spec.num_blocks} blocks, {spec.total_bytes} bytes) "
                          f"must fit in memory, but allocating it on {device} failed; lower "
                          f"--num-gpu-blocks or --kv-cache-memory") from e

@@ -1,6 +1,11 @@
 """Turns a :class:`ScheduledBatch` (numpy) into tensors, runs the model, samples.
 
-One copy per array (``torch.from_numpy`` then ``.to(device)``), no Python loop over tokens.
+No Python loop over tokens, no new tensor per step for the inputs: on the CPU each array is
+shared with the scheduler's buffer, on a GPU it fills a slice of a persistent buffer
+(:class:`StepInputs`). A decode step samples every hidden row as it is (no gather), and an
+all-greedy batch costs one argmax. On CUDA, decode steps replay CUDA graphs
+(:class:`DecodeGraphs`) unless ``enforce_eager``; ``compilation_level`` 3 compiles the model's
+dense segments (:meth:`LlamaForCausalLM.compile_segments`).
 The runner owns everything torch-side of a step: the model, the KV caches, and the sampling
 state of every live sequence (a :class:`SamplingTable`: rows added when the engine core admits
 a request, dropped when a sequence finishes). Results leave as numpy arrays.
@@ -13,12 +18,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from nybble.config import EngineConfig
 from nybble.kernels.interface import AttentionMetadata
 from nybble.models.loader import LoadedModel
 from nybble.runtime.batch import ScheduledBatch
+from nybble.runtime.cuda_graphs import DecodeGraphs, capture_sizes
+from nybble.runtime.host_memory import retain_freed_memory
 from nybble.runtime.kv_cache import KVCacheSpec, allocate_kv_cache
 from nybble.runtime.sampler import sample
 from nybble.runtime.sampling_table import SamplingTable
+from nybble.runtime.step_inputs import StepInputs
 from nybble.sampling_params import SamplingParams
 
 
@@ -40,7 +49,7 @@ class ModelRunnerOutput:
     top_logprobs: np.ndarray | None
 
 
-def _numpy(t: torch.Tensor | None) -> np.ndarray | None:
+def _host(t: torch.Tensor | None) -> np.ndarray | None:
     return None if t is None else t.cpu().numpy()
 
 
@@ -51,17 +60,33 @@ class ModelRunner:
         loaded: the loaded model.
         spec: the KV pool to allocate.
         device: where the model and cache live.
-        seed: seed of the generator used by sequences without their own seed.
+        config: the engine configuration (seed, step limits).
     """
 
     def __init__(self, loaded: LoadedModel, spec: KVCacheSpec, device: torch.device,
-                 seed: int) -> None:
+                 config: EngineConfig) -> None:
         self.model = loaded.model
         self.spec = spec
         self.device = device
+        if device.type == "cpu":
+            retain_freed_memory()
         self.kv_caches = allocate_kv_cache(spec, device)
-        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.generator = torch.Generator(device=device).manual_seed(config.model_config.seed)
         self.sampling = SamplingTable(loaded.shape.vocab_size, device)
+        sc, cc = config.scheduler_config, config.compilation_config
+        self.inputs = StepInputs(device, sc.max_num_batched_tokens, sc.max_num_seqs,
+                                 -(-loaded.max_model_len // spec.block_size))
+        # The bytes of arange(max rows) as int32: a decode step's sample_rows are a prefix.
+        self._arange_bytes = np.arange(max(sc.max_num_batched_tokens, sc.max_num_seqs),
+                                       dtype=np.int32).tobytes()
+        if cc.compilation_level == 3:
+            self.model.compile_segments()
+        self.graphs: DecodeGraphs | None = None
+        if device.type == "cuda" and not cc.enforce_eager and \
+                self.model.attention_backend.name == "triton":
+            self.graphs = DecodeGraphs(
+                self.model, self.kv_caches, capture_sizes(sc.max_num_seqs, cc.cuda_graph_sizes),
+                self.inputs, loaded.max_model_len, capture=True)
 
     def add_request(self, first_seq_id: int, params: SamplingParams) -> None:
         """Add the sampling rows of a request's ``params.n`` sequences (at admission)."""
@@ -71,15 +96,36 @@ class ModelRunner:
         """Drop the sampling rows of finished or aborted sequences."""
         self.sampling.remove(seq_ids)
 
-    def _tensor(self, array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        return torch.from_numpy(array).to(self.device, dtype=dtype, non_blocking=True)
-
     def _copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
         """Copy-on-write: duplicate KV blocks ``src[i] -> dst[i]`` in every layer."""
-        src_t = self._tensor(src, torch.int64)
-        dst_t = self._tensor(dst, torch.int64)
+        src_t = self.inputs.put("copy_src", src.astype(np.int64))
+        dst_t = self.inputs.put("copy_dst", dst.astype(np.int64))
         for cache in self.kv_caches:
             cache[:, dst_t] = cache[:, src_t]
+
+    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor,
+                                                      AttentionMetadata]:
+        """``(input_ids [T] int32, positions [T] int64, metadata)`` of ``batch`` on the
+        device; one object per field, no copy on the CPU."""
+        put = self.inputs.put
+        meta = AttentionMetadata(
+            slot_mapping=put("slot_mapping", batch.slot_mapping),
+            query_start_loc=put("query_start_loc", batch.query_start_loc),
+            seq_lens=put("seq_lens", batch.seq_lens),
+            block_tables=put("block_tables", batch.block_tables),
+            max_query_len=batch.max_query_len, max_seq_len=batch.max_seq_len,
+            is_decode_only=batch.max_query_len == 1)
+        return put("input_ids", batch.input_ids), put("positions", batch.positions), meta
+
+    def _sampled_hidden(self, hidden: torch.Tensor, batch: ScheduledBatch) -> torch.Tensor:
+        """The rows ``batch.sample_rows`` of ``hidden``; no gather when they are every row
+        in order (a decode step)."""
+        rows = batch.sample_rows
+        num = rows.shape[0]
+        if num == hidden.shape[0] and \
+                rows.astype(np.int32, copy=False).tobytes() == self._arange_bytes[:4 * num]:
+            return hidden
+        return hidden.index_select(0, self.inputs.put("sample_rows", rows.astype(np.int64)))
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> ModelRunnerOutput:
@@ -91,20 +137,14 @@ class ModelRunner:
         """
         if len(batch.copy_src):
             self._copy_blocks(batch.copy_src, batch.copy_dst)
-        b = batch.num_seqs
-        meta = AttentionMetadata(
-            slot_mapping=self._tensor(batch.slot_mapping, torch.int64),
-            query_start_loc=self._tensor(batch.query_start_loc, torch.int32),
-            seq_lens=self._tensor(batch.seq_lens, torch.int32),
-            block_tables=self._tensor(batch.block_tables[:b], torch.int32),
-            max_query_len=int(batch.max_query_len), max_seq_len=int(batch.max_seq_len),
-            is_decode_only=int(batch.max_query_len) == 1)
-        hidden = self.model(self._tensor(batch.input_ids, torch.int64),
-                            self._tensor(batch.positions, torch.int64), self.kv_caches, meta)
-        rows = self._tensor(batch.sample_rows, torch.int64)
-        logits = self.model.compute_logits(hidden[rows])
+        if self.graphs is not None and self.graphs.can_run(batch):
+            hidden = self.graphs.run(batch)
+        else:
+            input_ids, positions, meta = self.prepare(batch)
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        logits = self.model.compute_logits(self._sampled_hidden(hidden, batch))
         out = sample(logits, self.sampling.batch(batch.sample_seq_ids), self.generator)
         return ModelRunnerOutput(
-            token_ids=out.token_ids.to(device="cpu", dtype=torch.int32).numpy(),
-            logprobs=_numpy(out.logprobs), top_token_ids=_numpy(out.top_ids),
-            top_logprobs=_numpy(out.top_logprobs))
+            token_ids=_host(out.token_ids).astype(np.int32),
+            logprobs=_host(out.logprobs), top_token_ids=_host(out.top_ids),
+            top_logprobs=_host(out.top_logprobs))

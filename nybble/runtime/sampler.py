@@ -15,7 +15,7 @@ import torch
 
 @dataclass(slots=True)
 class SamplingBatch:
-    """Per-row sampling parameters for ``S`` rows of logits.
+    """Per-row sampling parameters for ``S`` rows of logits, and what the batch needs.
 
     Attributes:
         temperature, top_p, min_p: ``[S]`` float32; temperature 0 means greedy.
@@ -23,6 +23,15 @@ class SamplingBatch:
         generators: ``S`` entries, a seeded generator or ``None`` (use the shared one).
         max_logprobs: the largest top-``k`` of log-probabilities asked for in the batch
             (``-1``: none asked).
+        random_rows: ``[R]`` int64 rows with temperature > 0, in order.
+        all_greedy: no row samples (``R == 0``): only argmax runs, and the parameter
+            tensors are not read (they may be empty).
+        use_top_k_top_p: some random row keeps fewer tokens than the vocabulary by top-k
+            or top-p (the sampler sorts only then).
+        use_min_p: some random row has ``min_p > 0``.
+
+    Build it with :meth:`from_tensors`, or let the runner's ``SamplingTable`` derive the
+    flags on the host.
     """
 
     temperature: torch.Tensor
@@ -31,6 +40,23 @@ class SamplingBatch:
     min_p: torch.Tensor
     generators: list[torch.Generator | None]
     max_logprobs: int
+    random_rows: torch.Tensor
+    all_greedy: bool
+    use_top_k_top_p: bool
+    use_min_p: bool
+
+    @classmethod
+    def from_tensors(cls, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
+                     min_p: torch.Tensor, generators: list[torch.Generator | None],
+                     max_logprobs: int, vocab_size: int) -> SamplingBatch:
+        """Derive the flags from the per-row tensors (a few device reductions)."""
+        random = temperature > 0
+        random_rows = random.nonzero().flatten()
+        keeps_fewer = ((top_k > 0) & (top_k < vocab_size)) | (top_p < 1)
+        return cls(temperature, top_p, top_k, min_p, generators, max_logprobs, random_rows,
+                   all_greedy=random_rows.numel() == 0,
+                   use_top_k_top_p=bool((keeps_fewer & random).any()),
+                   use_min_p=bool(((min_p > 0) & random).any()))
 
 
 @dataclass(slots=True)
@@ -51,12 +77,12 @@ class SamplerOutput:
 
 
 def _filter(logits: torch.Tensor, params: SamplingBatch) -> torch.Tensor:
-    """Scale by temperature and mask out tokens removed by top-k, top-p and min-p."""
+    """Scale by temperature and mask out tokens removed by top-k, top-p and min-p (``params``
+    holds the rows of ``logits`` only)."""
     logits = logits / params.temperature.clamp(min=1e-6)[:, None]
     vocab = logits.shape[-1]
-    top_k = torch.where(params.top_k > 0, params.top_k.clamp(max=vocab), vocab)
-    need_sort = bool((top_k < vocab).any()) or bool((params.top_p < 1).any())
-    if need_sort:
+    if params.use_top_k_top_p:
+        top_k = torch.where(params.top_k > 0, params.top_k.clamp(max=vocab), vocab)
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         ranks = torch.arange(vocab, device=logits.device)[None, :]
         drop = ranks >= top_k[:, None]
@@ -66,7 +92,7 @@ def _filter(logits: torch.Tensor, params: SamplingBatch) -> torch.Tensor:
         drop |= mass_before >= params.top_p[:, None]
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
-    if bool((params.min_p > 0).any()):
+    if params.use_min_p:
         probs = logits.softmax(dim=-1)
         threshold = params.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
         logits = logits.masked_fill(probs < threshold, float("-inf"))
@@ -76,6 +102,9 @@ def _filter(logits: torch.Tensor, params: SamplingBatch) -> torch.Tensor:
 def sample(logits: torch.Tensor, params: SamplingBatch,
            default_generator: torch.Generator | None) -> SamplerOutput:
     """Sample one token per row.
+
+    An all-greedy batch costs one argmax (plus the log-softmax only when a row asks for
+    logprobs); sorting runs only when a random row uses top-k/top-p.
 
     Args:
         logits: ``[S, vocab]`` raw model logits (any float dtype; computed in float32).
@@ -87,12 +116,13 @@ def sample(logits: torch.Tensor, params: SamplingBatch,
     """
     logits = logits.float()
     token_ids = logits.argmax(dim=-1)
-    random_rows = (params.temperature > 0).nonzero().flatten()
-    if random_rows.numel():
+    if not params.all_greedy:
+        random_rows = params.random_rows
         rows = random_rows.tolist()
         sub = SamplingBatch(params.temperature[random_rows], params.top_p[random_rows],
                             params.top_k[random_rows], params.min_p[random_rows],
-                            [params.generators[r] for r in rows], -1)
+                            [params.generators[r] for r in rows], -1, random_rows,
+                            False, params.use_top_k_top_p, params.use_min_p)
         probs = _filter(logits[random_rows], sub).softmax(dim=-1)
         noise = torch.empty_like(probs)
         unseeded = [i for i, g in enumerate(sub.generators) if g is None]

@@ -6,7 +6,8 @@ request's rows are added when the engine core admits it and dropped when each sa
 or is aborted, so nothing is rebuilt from Python lists per step: a step gathers its rows by
 index. The values live in host numpy arrays; on the CPU the sampler reads them in place
 (``torch.from_numpy`` shares the memory), on a GPU a device copy is refreshed only for the
-rows written since the previous step.
+rows written since the previous step. The table counts its rows that sample randomly and
+those that ask for logprobs, so a step where neither exists builds no tensors at all.
 """
 from __future__ import annotations
 
@@ -42,6 +43,9 @@ class SamplingTable:
         self._free: list[int] = []
         self._gens: list[torch.Generator | None] = []
         self._num_seeded = 0
+        self._num_random = 0                         # rows with temperature > 0
+        self._num_logprobs = 0                       # rows that ask for logprobs
+        self._greedy_batches: dict[int, SamplingBatch] = {}
         self._dirty: set[int] = set()
         self._host: dict[str, np.ndarray] = {}
         self._dev: dict[str, torch.Tensor] = {}
@@ -116,6 +120,8 @@ class SamplingTable:
             self._logprobs[row] = num_logprobs
             self._gens[row] = gen
             self._num_seeded += gen is not None
+            self._num_random += params.temperature > 0
+            self._num_logprobs += params.logprobs is not None
             self._dirty.add(row)
 
     def remove(self, seq_ids: Iterable[int]) -> None:
@@ -125,6 +131,8 @@ class SamplingTable:
             if row is None:
                 continue
             self._num_seeded -= self._gens[row] is not None
+            self._num_random -= bool(self._host["temperature"][row] > 0)
+            self._num_logprobs -= bool(self._logprobs[row] >= 0)
             self._gens[row] = None
             self._dirty.discard(row)
             self._free.append(row)
@@ -140,19 +148,46 @@ class SamplingTable:
             self._dev[name][index] = torch.from_numpy(col[rows]).to(self.device)
         self._dirty.clear()
 
+    def _greedy(self, max_logprobs: int) -> SamplingBatch:
+        """A batch whose rows are all greedy: only ``max_logprobs`` is read (one cached
+        object per value)."""
+        batch = self._greedy_batches.get(max_logprobs)
+        if batch is None:
+            empty = torch.zeros(0, device=self.device)
+            index = torch.zeros(0, dtype=torch.int64, device=self.device)
+            batch = self._greedy_batches[max_logprobs] = SamplingBatch(
+                empty, empty, index, empty, [], max_logprobs, index, all_greedy=True,
+                use_top_k_top_p=False, use_min_p=False)
+        return batch
+
     def batch(self, seq_ids: np.ndarray) -> SamplingBatch:
         """The :class:`SamplingBatch` of the rows of ``seq_ids`` (one per sampled token, in
-        that order).
+        that order). Its flags (all greedy, top-k/top-p, min-p) are computed here, on the
+        host; when every row is greedy no parameter is gathered.
 
         Raises:
             KeyError: a sequence id without a row (a bug: the core adds rows at admission).
         """
         self._upload()
+        if not self._num_random and not self._num_logprobs:
+            return self._greedy(-1)
         seqs = seq_ids.tolist()
         rows = np.fromiter(map(self._slot.__getitem__, seqs), np.int64, len(seqs))
+        max_logprobs = int(self._logprobs[rows].max()) if self._num_logprobs and len(seqs) \
+            else -1
+        host = self._host
+        random = host["temperature"][rows] > 0
+        if not random.any():
+            return self._greedy(max_logprobs)
+        chosen = rows[random]
+        top_k, top_p = host["top_k"][chosen], host["top_p"][chosen]
+        keeps_fewer = ((top_k > 0) & (top_k < self.vocab_size)) | (top_p < 1)
         index = torch.from_numpy(rows).to(self.device)
         d = self._dev
         gens = [self._gens[r] for r in rows.tolist()] if self._num_seeded else [None] * len(seqs)
         return SamplingBatch(temperature=d["temperature"][index], top_p=d["top_p"][index],
                              top_k=d["top_k"][index], min_p=d["min_p"][index], generators=gens,
-                             max_logprobs=int(self._logprobs[rows].max()) if len(seqs) else -1)
+                             max_logprobs=max_logprobs,
+                             random_rows=torch.from_numpy(np.flatnonzero(random)).to(self.device),
+                             all_greedy=False, use_top_k_top_p=bool(keeps_fewer.any()),
+                             use_min_p=bool((host["min_p"][chosen] > 0).any()))

@@ -160,7 +160,7 @@ def test_backend_end_to_end(seqs, device):
     value = torch.randn(query.shape[0], hkv, d, device=device)
     backend = TritonAttentionBackend()
     assert backend.name == "triton"
-    backend.reshape_and_cache(key, value, kv_cache, meta.slot_mapping)
+    backend.reshape_and_cache(key, value, kv_cache, meta)
     flat = kv_cache.view(2, -1, hkv, d)
     assert torch.equal(flat[0, meta.slot_mapping], key)
     out = backend.forward(query, kv_cache, meta, d ** -0.5)

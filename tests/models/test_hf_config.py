@@ -83,5 +83,7 @@ def test_rope_frequencies_equal_transformers(tmp_path, rope: dict) -> None:
     inv, scale = init(hf) if rope_type == "default" else init(hf, "cpu")
     pos = torch.arange(256, dtype=torch.float32)[:, None] * inv.float()[None, :]
     ours = RotaryEmbedding(HFConfig(raw), 64, 256, torch.device("cpu"))
-    torch.testing.assert_close(ours.cos, pos.cos() * scale, rtol=0, atol=0)
-    torch.testing.assert_close(ours.sin, pos.sin() * scale, rtol=0, atol=0)
+    cos, sin = pos.cos() * scale, pos.sin() * scale
+    # the table is full width: cos = [c, c], sin = [-s, s] (rotation = x cos + roll(x) sin)
+    torch.testing.assert_close(ours.cos_sin[:, 0], torch.cat((cos, cos), -1), rtol=0, atol=0)
+    torch.testing.assert_close(ours.cos_sin[:, 1], torch.cat((-sin, sin), -1), rtol=0, atol=0)

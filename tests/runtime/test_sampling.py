@@ -12,10 +12,11 @@ from nybble.runtime.engine import LLMEngine
 from nybble.runtime.sampler import SamplingBatch, _filter, sample
 
 
-def _batch(s: int, temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0, gens=None) -> SamplingBatch:
-    return SamplingBatch(torch.full((s,), temperature), torch.full((s,), top_p),
-                         torch.full((s,), top_k, dtype=torch.int64), torch.full((s,), min_p),
-                         gens or [None] * s, -1)
+def _batch(s: int, temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0, gens=None,
+           vocab: int = 64) -> SamplingBatch:
+    return SamplingBatch.from_tensors(torch.full((s,), temperature), torch.full((s,), top_p),
+                                      torch.full((s,), top_k, dtype=torch.int64),
+                                      torch.full((s,), min_p), gens or [None] * s, -1, vocab)
 
 
 def _kept_numpy(logits: np.ndarray, top_k: int, top_p: float, min_p: float) -> set[int]:

@@ -1,0 +1,90 @@
+"""The CPU attention backend: the Cython paged decode kernel for decode steps, the torch
+reference for everything else.
+
+A decode-only step in float32 runs :func:`nybble.kernels.cpu_attention.paged_decode_attention`,
+which reads each sequence's keys and values through its block table up to its own length: no
+gathered ``[B, S, Hkv, D]`` copy per layer, no padding to the longest sequence, no mask. Steps
+with prefill chunks, and other dtypes, take :func:`~nybble.kernels.reference_attention.paged_attention`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from nybble.kernels.interface import AttentionMetadata
+from nybble.kernels.reference_attention import TorchAttentionBackend, write_rows, write_slots
+
+try:
+    from nybble.kernels.cpu_attention import paged_decode_attention
+except ImportError:  # the extension is not built (a source checkout without build_ext)
+    paged_decode_attention = None
+
+
+def cpu_kernel_available() -> bool:
+    """Whether the compiled CPU decode kernel can be imported."""
+    return paged_decode_attention is not None
+
+
+@dataclass(slots=True)
+class DecodeKernelPlan:
+    """``meta.plan`` of a decode-only step on this backend: the kernel's index arrays (numpy
+    views of the metadata, int32) and the rows that write the cache (``None``: all)."""
+
+    block_tables: np.ndarray
+    seq_lens: np.ndarray
+    write_rows: torch.Tensor | None
+
+
+class CpuAttentionBackend(TorchAttentionBackend):
+    """:class:`TorchAttentionBackend` whose float32 decode steps run the Cython kernel.
+
+    Raises (constructor):
+        RuntimeError: the kernel extension is not built.
+    """
+
+    name = "cpu"
+
+    def __init__(self) -> None:
+        if paged_decode_attention is None:
+            raise RuntimeError("attention_backend 'cpu' needs the compiled "
+                               "nybble.kernels.cpu_attention extension (pip install -e .)")
+        self._scratch = np.empty(0, np.float32)
+
+    @staticmethod
+    def _uses_kernel(meta: AttentionMetadata, kv_cache: torch.Tensor) -> bool:
+        return meta.is_decode_only and kv_cache.dtype == torch.float32 and \
+            kv_cache.device.type == "cpu" and kv_cache.is_contiguous()
+
+    def _kernel_plan(self, meta: AttentionMetadata) -> DecodeKernelPlan:
+        plan = meta.plan
+        if not isinstance(plan, DecodeKernelPlan):
+            tables = meta.block_tables.numpy().astype(np.int32, copy=False)
+            plan = meta.plan = DecodeKernelPlan(
+                np.ascontiguousarray(tables), meta.seq_lens.numpy().astype(np.int32, copy=False),
+                write_rows(meta.slot_mapping))
+        return plan
+
+    def reshape_and_cache(self, key: torch.Tensor, value: torch.Tensor,
+                          kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+        """See :func:`nybble.kernels.reference_attention.reshape_and_cache`."""
+        if not self._uses_kernel(meta, kv_cache):
+            super().reshape_and_cache(key, value, kv_cache, meta)
+            return
+        write_slots(key, value, kv_cache, meta.slot_mapping, self._kernel_plan(meta).write_rows)
+
+    def forward(self, query: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Causal paged attention, ``[T, Hq, D] -> [T, Hq, D]`` (see the protocol)."""
+        if not self._uses_kernel(meta, kv_cache) or query.dtype != torch.float32:
+            return super().forward(query, kv_cache, meta, scale)
+        plan = self._kernel_plan(meta)
+        num_tokens, num_heads, head_dim = query.shape
+        need = num_heads * (meta.max_seq_len + head_dim + 1)
+        if self._scratch.shape[0] < need:
+            self._scratch = np.empty(max(need, 2 * self._scratch.shape[0]), np.float32)
+        out = torch.empty(num_tokens, num_heads, head_dim)
+        paged_decode_attention(query.numpy(), kv_cache.numpy(), plan.block_tables,
+                               plan.seq_lens, scale, out.numpy(), self._scratch)
+        return out

@@ -1,0 +1,140 @@
+"""The decoder's step as plain callables: what :meth:`LlamaForCausalLM.forward` runs.
+
+A small model's decode step is a few hundred tiny ops, and calling each through
+``nn.Module.__call__`` (hook checks) and ``nn.Module.__getattr__`` (parameter lookup) costs
+about as much as the ops themselves (~1 ms of a ~3 ms step for the bundled model). So the
+modules hold the parameters and the structure, and once, before the first step, each layer is
+turned into a :class:`LayerOps`: its norms and projections as plain functions bound to their
+weights (``functools.partial`` of ``F.linear`` / ``torch.rms_norm``; quantized linears keep
+their bound ``forward``).
+
+The step is cut at attention into segments (embedding and layer 0 up to attention; one layer's
+end to the next layer's attention; the last layer's end and the final norm), the pieces that
+``torch.compile`` compiles when asked; attention and the KV-cache writes stay eager between
+them (vLLM's piecewise compilation).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from nybble.kernels.interface import AttentionMetadata
+from nybble.models.layers import RotaryEmbedding, silu_and_mul
+from nybble.models.linear import as_function
+
+if TYPE_CHECKING:
+    from nybble.models.llama import LlamaDecoderLayer
+
+Fn = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class LayerOps:
+    """One decoder layer as plain callables ``[T, in] -> [T, out]``, plus its attention.
+
+    Attributes:
+        input_norm, qkv, o_proj, post_norm, gate_up, down: the layer's norms and (fused)
+            projections.
+        attend: ``(q, k, v, kv_cache, meta) -> [T, Hq * D]``: KV-cache write and attention.
+        rope: the shared rotary embedding.
+        num_heads, num_kv_heads, head_dim: the attention geometry.
+    """
+
+    input_norm: Fn
+    qkv: Fn
+    o_proj: Fn
+    post_norm: Fn
+    gate_up: Fn
+    down: Fn
+    attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                      AttentionMetadata], torch.Tensor]
+    rope: RotaryEmbedding
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, layer: LlamaDecoderLayer) -> LayerOps:
+        """The ops of ``layer`` (bound to its current weights)."""
+        attn, mlp = layer.self_attn, layer.mlp
+        return cls(as_function(layer.input_layernorm), as_function(attn.qkv_proj),
+                   as_function(attn.o_proj), as_function(layer.post_attention_layernorm),
+                   as_function(mlp.gate_up_proj), as_function(mlp.down_proj), attn.attend,
+                   attn.rope, attn.num_heads, attn.num_kv_heads, attn.head_dim)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelOps:
+    """The whole decoder as :class:`LayerOps` plus the embedding and the final norm."""
+
+    embed_weight: torch.Tensor
+    rope: RotaryEmbedding
+    layers: tuple[LayerOps, ...]
+    final_norm: Fn
+
+
+def pre_attention(ops: LayerOps, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Norm, fused q/k/v projection and RoPE: ``h [T, hidden]`` -> rotated ``q [T, Hq, D]``,
+    ``k [T, Hkv, D]`` and ``v [T, Hkv, D]``. ``cos``/``sin``: the step's rotary rows
+    (:meth:`RotaryEmbedding.lookup`)."""
+    num_tokens = h.shape[0]
+    qkv = ops.qkv(ops.input_norm(h)).view(num_tokens, -1, ops.head_dim)  # (T, Hq + 2 Hkv, D)
+    qk_heads = ops.num_heads + ops.num_kv_heads
+    # q and k are adjacent in the fused output: one rotation covers both.
+    qk = ops.rope.apply(qkv[:, :qk_heads], cos, sin)
+    return qk[:, :ops.num_heads], qk[:, ops.num_heads:], qkv[:, qk_heads:]
+
+
+def post_attention(ops: LayerOps, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    """``o_proj``, both residuals and the SwiGLU MLP: ``attn [T, Hq * D]`` -> the layer's
+    output ``[T, hidden]``."""
+    h = h + ops.o_proj(attn)
+    return h + ops.down(silu_and_mul(ops.gate_up(ops.post_norm(h))))
+
+
+def first_segment(model: ModelOps, input_ids: torch.Tensor, positions: torch.Tensor
+                  ) -> tuple[torch.Tensor, ...]:
+    """Embedding, the step's rotary rows (gathered once for every layer) and layer 0 up to
+    attention: ``(h, cos, sin, q, k, v)``."""
+    h = nn.functional.embedding(input_ids, model.embed_weight)
+    cos, sin = model.rope.lookup(positions, h.dtype)
+    return (h, cos, sin, *pre_attention(model.layers[0], h, cos, sin))
+
+
+def middle_segment(ops: LayerOps, following: LayerOps, h: torch.Tensor, attn: torch.Tensor,
+                   cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """From one layer's attention output to the next layer's ``(h, q, k, v)``."""
+    h = post_attention(ops, h, attn)
+    return (h, *pre_attention(following, h, cos, sin))
+
+
+def last_segment(ops: LayerOps, final_norm: Fn, h: torch.Tensor,
+                 attn: torch.Tensor) -> torch.Tensor:
+    """The last layer after attention, then the final norm."""
+    return final_norm(post_attention(ops, h, attn))
+
+
+Segments = tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]
+EAGER_SEGMENTS: Segments = (first_segment, middle_segment, last_segment)
+
+
+def run_step(model: ModelOps, segments: Segments, input_ids: torch.Tensor,
+             positions: torch.Tensor, kv_caches: list[torch.Tensor],
+             meta: AttentionMetadata) -> torch.Tensor:
+    """The decoder's forward: ``input_ids, positions [T]`` -> final hidden ``[T, hidden]``;
+    writes the step's K/V into ``kv_caches``."""
+    first, middle, last = segments
+    h, cos, sin, q, k, v = first(model, input_ids, positions)
+    layers = model.layers
+    final = len(layers) - 1
+    for i, ops in enumerate(layers):
+        attn = ops.attend(q, k, v, kv_caches[i], meta)
+        if i == final:
+            return last(ops, model.final_norm, h, attn)
+        h, q, k, v = middle(ops, layers[i + 1], h, attn, cos, sin)
+    raise ValueError("a model needs at least one layer, got 0")
