@@ -239,3 +239,31 @@ def test_openapi_documents_what_the_server_answers(server: Server) -> None:
     version = schema["paths"]["/version"]["get"]["responses"]["200"]["content"]
     assert version["application/json"]["schema"]["$ref"].endswith("VersionResponse")
     assert "securitySchemes" in schema["components"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_string_completed_by_the_last_allowed_token_is_a_stop(server: Server,
+                                                                   stream: bool) -> None:
+    """Greedy "The dog" reads " was a big, red ball" after exactly 8 tokens: with
+    ``max_tokens`` 8 and ``stop: ["ball"]`` the text is cut by the stop string, so the finish
+    reason is "stop" (not "length"); one token fewer never completes "ball"."""
+    body = {**GREEDY, "max_tokens": 8, "stop": ["ball"], "stream": stream}
+    with server.http() as c:
+        plain = c.post("/v1/completions", json={**GREEDY, "max_tokens": 8}).json()["choices"][0]
+        assert plain["text"].endswith("ball") and plain["finish_reason"] == "length"
+        if stream:
+            with c.stream("POST", "/v1/completions", json=body) as r:
+                events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+            assert events[-1] == "[DONE]"
+            chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
+            text = "".join(ch["text"] for ch in chunks)
+            reasons = [ch["finish_reason"] for ch in chunks if ch["finish_reason"]]
+            assert reasons == ["stop"]
+        else:
+            choice = c.post("/v1/completions", json=body).json()["choices"][0]
+            text = choice["text"]
+            assert choice["finish_reason"] == "stop"
+        assert text == plain["text"][:-len("ball")]
+        short = c.post("/v1/completions",
+                       json={**body, "max_tokens": 7, "stream": False}).json()["choices"][0]
+        assert short["finish_reason"] == "length" and "ball" not in short["text"]
