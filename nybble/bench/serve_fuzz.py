@@ -126,11 +126,13 @@ def fuzz(base_url: str, examples: int = 600, api_key: str | None = None, workers
             local.session = requests.Session()
             return
         failures: list[str] = []
+        detail = ""
         try:
             case.validate_response(response, checks=checks, headers=headers)
         except (Exception, BaseExceptionGroup) as e:  # noqa: BLE001 -- a group of failures
-            failures = [getattr(f, "title", type(f).__name__)
-                        for f in getattr(e, "exceptions", [e])]
+            found = list(getattr(e, "exceptions", [e]))
+            failures = [getattr(f, "title", type(f).__name__) for f in found]
+            detail = "; ".join(str(f).replace("\n", " ")[:300] for f in found)
         with lock:
             result.requests += 1
             result.by_operation[label] += 1
@@ -141,7 +143,8 @@ def fuzz(base_url: str, examples: int = 600, api_key: str | None = None, workers
             if failures and len(result.examples) < 20:
                 body = case.body if not isinstance(case.body, bytes) else case.body[:200]
                 result.examples.append(f"{label} {failures} -> {response.status_code} "
-                                       f"{response.text[:200]!r}; body {str(body)[:300]}")
+                                       f"{response.text[:200]!r}; body {str(body)[:300]}; "
+                                       f"why: {detail}")
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(workers) as pool:

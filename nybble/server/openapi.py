@@ -34,6 +34,22 @@ def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return {s: {"model": ErrorResponse, "description": _ERRORS[s]} for s in statuses}
 
 
+_STREAM_MODELS: dict[str, type[BaseModel]] = {}
+"""Models that only events of a stream carry (added to the document's components)."""
+
+
+def _event_schema(chunk: type[BaseModel]) -> dict[str, Any]:
+    """One server-sent event of a generation stream: its ``data`` is ``[DONE]`` or the JSON
+    of a ``chunk`` or an ``ErrorResponse`` (``contentMediaType``/``contentSchema``, which
+    schema-conformance fuzzers check event by event)."""
+    refs = [{"$ref": f"#/components/schemas/{m.__name__}"} for m in (chunk, ErrorResponse)]
+    data = {"type": "string", "if": {"const": "[DONE]"},
+            "else": {"contentMediaType": "application/json",
+                     "contentSchema": {"anyOf": refs}}}
+    return {"type": "object", "required": ["data"],
+            "properties": {"data": data, "event": {"const": "message"}}}
+
+
 def generation_responses(response: type[BaseModel],
                          chunk: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
     """``responses=`` of a generation route: the JSON ``response``, or with ``stream: true``
@@ -41,10 +57,22 @@ def generation_responses(response: type[BaseModel],
     stream = (f"With `stream: true`: server-sent events, `data: <{chunk.__name__} JSON>` per "
               f"event, ending with `data: [DONE]`; an error after the stream started is one "
               f"`data: <ErrorResponse JSON>` event before `[DONE]`.")
+    _STREAM_MODELS[chunk.__name__] = chunk
+    schema = {**_event_schema(chunk), "description": stream}
     ok = {"model": response, "description": "The whole answer, or the event stream.",
-          "content": {"text/event-stream": {"schema": {"type": "string",
-                                                       "description": stream}}}}
+          "content": {"text/event-stream": {"schema": schema}}}
     return {200: ok, **error_responses(400, 401, 404, 413, 500, 503)}
+
+
+def _add_stream_models(components: dict[str, Any]) -> None:
+    """Put the stream-only models (and the models they use) into ``components``."""
+    for name, model in _STREAM_MODELS.items():
+        if name in components:
+            continue
+        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        for sub, sub_schema in schema.pop("$defs", {}).items():
+            components.setdefault(sub, sub_schema)
+        components[name] = schema
 
 
 def install_openapi(app: FastAPI) -> None:
@@ -57,7 +85,8 @@ def install_openapi(app: FastAPI) -> None:
             for path in schema.get("paths", {}).values():
                 for operation in path.values():
                     operation.get("responses", {}).pop("422", None)
-            components = schema.get("components", {}).get("schemas", {})
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            _add_stream_models(components)
             for name in _FASTAPI_VALIDATION_SCHEMAS:
                 components.pop(name, None)
             app.openapi_schema = schema

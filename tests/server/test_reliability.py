@@ -267,3 +267,45 @@ def test_stop_string_completed_by_the_last_allowed_token_is_a_stop(server: Serve
         short = c.post("/v1/completions",
                        json={**body, "max_tokens": 7, "stream": False}).json()["choices"][0]
         assert short["finish_reason"] == "length" and "ball" not in short["text"]
+
+
+def _validate_stream(url: str, doc: dict[str, Any], path: str, body: dict[str, Any],
+                     api_key: str) -> list[str]:
+    """schemathesis' failure titles for a real streamed answer checked against ``doc``."""
+    import requests
+    import schemathesis
+
+    from nybble.bench.serve_fuzz import _checks
+
+    op = next(o.ok() for o in schemathesis.openapi.from_dict(doc).get_all_operations()
+              if o.ok().path == path)
+    case = op.Case(body=body, media_type="application/json")
+    headers = {"Authorization": f"Bearer {api_key}"}
+    response = case.call(base_url=url, session=requests.Session(), headers=headers)
+    assert response.status_code == 200 and response.text.startswith("data: ")
+    try:
+        case.validate_response(response, checks=_checks(), headers=headers)
+    except (Exception, BaseExceptionGroup) as e:  # noqa: BLE001 -- a group of failures
+        return [str(getattr(f, "title", f)) for f in getattr(e, "exceptions", [e])]
+    return []
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {**GREEDY, "stream": True, "logprobs": 2,
+                         "stream_options": {"include_usage": True}}),
+    ("/v1/chat/completions", {**CHAT, "stream": True, "logprobs": True, "top_logprobs": 2,
+                              "stream_options": {"include_usage": True}}),
+])
+def test_openapi_documents_each_stream_event(server: Server, path: str,
+                                             body: dict[str, Any]) -> None:
+    """Every event of a real stream validates against the document's event schema (its data
+    is the chunk's JSON or [DONE]), and a document that names the wrong model for the data
+    makes the same stream fail: the event schema is checked, not just present."""
+    with server.http() as c:
+        doc = c.get("/openapi.json").json()
+    assert _validate_stream(server.url, doc, path, body, server.api_key) == []
+    event = doc["paths"][path]["post"]["responses"]["200"]["content"]["text/event-stream"]
+    event["schema"]["properties"]["data"]["else"]["contentSchema"] = {
+        "$ref": "#/components/schemas/ErrorResponse"}
+    assert _validate_stream(server.url, doc, path, body, server.api_key) == [
+        "SSE event violates schema"]
