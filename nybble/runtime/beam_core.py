@@ -137,6 +137,9 @@ class BeamCoordinator:
             ``(tokens int32[S], is_beam bool[S])``: the tokens to pass ``Scheduler.update``
             (beam rows replaced, ``-1`` where declined) and which rows are beams.
         """
+        # NOTE: plans of a step that failed before after_update() belong to aborted requests
+        self._plans.clear()
+        self._done.clear()
         sids = sample_seq_ids.tolist()
         is_beam = np.fromiter((s in self.owner for s in sids), bool, len(sids))
         tokens = result.token_ids.copy()

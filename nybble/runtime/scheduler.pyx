@@ -292,12 +292,13 @@ cdef class Scheduler:
 
         Raises:
             ValueError: ``seq_id`` is not running with only its last token uncomputed, a
-                batch is in flight, or ``new_seq_id`` is in use.
+                batch is in flight, ``new_seq_id`` is in use, or ``max_num_seqs`` sequences
+                already run (finish pruned beams first).
             RuntimeError: the block bookkeeping is corrupt (a bug).
         """
         if self._inflight is not None and self._inflight.num_seqs > 0:
             raise ValueError("fork() needs no batch in flight: call update() first")
-        self._seqs.fork(seq_id, new_seq_id, last_token)
+        self._seqs.fork(seq_id, new_seq_id, last_token, self.max_num_seqs)
 
     def finish(self, int64_t seq_id, int reason) -> None:
         """Finish ``seq_id`` now (:class:`FinishReason` STOPPED for a stop string, LENGTH, or

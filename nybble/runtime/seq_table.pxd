@@ -44,7 +44,8 @@ cdef class SequenceTable:
                         int64_t[::1] out_ids, int32_t[::1] out_tokens,
                         int8_t[::1] out_finish) except -1
     cdef bint finish(self, int64_t seq_id) except -1
-    cdef int fork(self, int64_t seq_id, int64_t new_seq_id, int32_t last_token) except -1
+    cdef int fork(self, int64_t seq_id, int64_t new_seq_id, int32_t last_token,
+                  int32_t max_weight) except -1
     cdef int _fork_groups(self, BatchBuilder batch) except -1
     cdef int32_t _clone_running(self, int32_t p, int64_t new_seq_id) except -1
 

@@ -128,7 +128,8 @@ cdef class SequenceTable:
         self.num_running += 1
         return c
 
-    cdef int fork(self, int64_t seq_id, int64_t new_seq_id, int32_t last_token) except -1:
+    cdef int fork(self, int64_t seq_id, int64_t new_seq_id, int32_t last_token,
+                  int32_t max_weight) except -1:
         """Beam search: a new running sequence ``new_seq_id`` that is ``seq_id`` with its last
         (not yet computed) token replaced by ``last_token``. It shares every block of
         ``seq_id`` (one more reference each); the partial last block is copied on its first
@@ -136,7 +137,8 @@ cdef class SequenceTable:
 
         Raises:
             ValueError: ``seq_id`` is not running between steps with exactly its last token
-                uncomputed, or ``new_seq_id`` is in use.
+                uncomputed, ``new_seq_id`` is in use, or ``running_weight`` would exceed
+                ``max_weight`` (the scheduler's ``max_num_seqs``: the batch's row capacity).
             RuntimeError: the block bookkeeping is corrupt (a bug).
         """
         cdef int32_t p = self.find(seq_id), c
@@ -146,6 +148,9 @@ cdef class SequenceTable:
                              f"token only is uncomputed, got {seq_id}")
         if self.find(new_seq_id) >= 0:
             raise ValueError(f"`new_seq_id` must be unused, got {new_seq_id}")
+        if self.running_weight + 1 > max_weight:
+            raise ValueError(f"fork() needs a free place under max_num_seqs ({max_weight}), "
+                             f"got {self.running_weight} running")
         c = self._clone_running(p, new_seq_id)
         seq_tokens(&self.st, &self.st.seqs[c])[self.st.seqs[c].num_tokens - 1] = last_token
         self.running_weight += 1

@@ -231,3 +231,18 @@ def test_max_tokens_one_and_n_below_width() -> None:
     out = _tokens(engine, {"a": (ids, params)})["a"]
     assert len(out) == 2 and all(len(t) == 1 for t in out)
     assert_idle_and_clean(engine)
+
+
+def test_prefix_caching_keeps_beams_and_pool_clean() -> None:
+    """With prefix caching on, a repeated beam search hits the cache, gives the same beams,
+    and every block is free (parked) afterwards."""
+    engine = make_engine(block_size=8, num_gpu_blocks=128, enable_prefix_caching=True)
+    ids = engine.tokenizer.encode("Once upon a time there was a little girl named Lily. She")
+    first = _tokens(engine, {"a": (ids, beam(4, 20))})["a"]
+    again = _tokens(engine, {"b": (ids, beam(4, 20))})["b"]
+    assert again == first
+    assert engine.scheduler.num_prefix_hit_tokens > 0
+    assert_idle_and_clean(engine)
+    fresh = _tokens(make_engine(block_size=8, num_gpu_blocks=128),
+                    {"c": (ids, beam(4, 20))})["c"]
+    assert fresh == first

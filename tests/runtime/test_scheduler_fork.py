@@ -1,11 +1,15 @@
-"""``Scheduler.fork`` (beam search) and declined tokens (``-1`` in ``update``), on the Cython
-scheduler with fake tokens: block sharing by reference count, copy-on-write of the partial
-last block, and the recompute of a declined token."""
+"""``Scheduler.fork`` (beam search) and declined tokens (``-1`` in ``update``) with fake
+tokens: block sharing by reference count, copy-on-write of the partial last block, the
+recompute of a declined token, and the plain-Python reference agreeing on all of it."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 from nybble.runtime.scheduler import Scheduler
+
+from nybble.runtime.reference_scheduler import ReferenceScheduler
+from nybble.runtime.sequence import FinishReason
+from tests.runtime.helpers import assert_same_batch, assert_same_state
 
 
 def _prefill(sched: Scheduler, prompt: list[int], token: int) -> None:
@@ -67,3 +71,43 @@ def test_fork_refuses_bad_calls() -> None:
     sched.fork(0, 1, 5)
     with pytest.raises(ValueError, match="new_seq_id"):
         sched.fork(0, 1, 6)                                # id in use
+    sched.fork(0, 2, 6)
+    sched.fork(0, 3, 6)                                    # 4 running: max_num_seqs
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        sched.fork(0, 4, 6)
+    assert sched.debug_state()["running_weight"] == 4
+
+
+def test_reference_matches_with_beam_forks_and_declines() -> None:
+    """A fixed beam-like run on a crowded pool (preemption, prefix hits, copy-on-write): each
+    other step a running sequence is pruned and another forked, some tokens are declined;
+    the Cython scheduler and its plain-Python reference agree after every operation."""
+    cfg = {"num_blocks": 14, "block_size": 2, "max_num_seqs": 5, "max_num_batched_tokens": 8,
+           "max_model_len": 24, "enable_chunked_prefill": True, "enable_prefix_caching": True}
+    cy, ref = Scheduler(**cfg), ReferenceScheduler(**cfg)
+    prompt = np.arange(7, dtype=np.int32) % 3
+    for sched in (cy, ref):
+        sched.add(0, prompt, 12, (), 3)
+        sched.add(3, prompt[:5], 14)
+    next_id, forks, declines = 10, 0, 0
+    for t in range(300):
+        if not ref.has_unfinished():
+            break
+        batch, ref_batch = cy.schedule(), ref.schedule()
+        assert_same_batch(batch, ref_batch)
+        sampled = (batch.sample_seq_ids % 3).astype(np.int32)
+        if t % 3 == 1:
+            sampled[::2] = -1
+            declines += len(sampled[::2])
+        for a, b in zip(cy.update(batch, sampled), ref.update(ref_batch, sampled)):
+            assert np.array_equal(a, b)
+        ready = [s for s in sorted(ref.seqs) if ref.seqs[s].status == "running"
+                 and ref.seqs[s].num_computed == len(ref.seqs[s].tokens) - 1]
+        if t % 2 == 0 and len(ready) >= 2:
+            for sched in (cy, ref):
+                sched.finish(ready[-1], int(FinishReason.ABORTED))
+                sched.fork(ready[0], next_id, t % 3)
+            next_id, forks = next_id + 1, forks + 1
+        assert_same_state(cy, ref)
+    assert not ref.has_unfinished() and cy.num_free_blocks == cfg["num_blocks"]
+    assert forks > 3 and declines > 3 and ref.num_preemptions > 0
