@@ -28,7 +28,7 @@ from nybble.runtime.messages import (
     EngineStats,
     RequestLimits,
 )
-from nybble.runtime.model_runner import ModelRunner, ModelRunnerOutput
+from nybble.runtime.model_runner import ModelRunner
 from nybble.runtime.scheduler import Scheduler
 from nybble.runtime.sequence import FinishReason
 
@@ -45,14 +45,6 @@ def _resolve_device(name: str) -> torch.device:
 
 def _as_list(array: np.ndarray | None) -> list | None:
     return None if array is None else array.tolist()
-
-
-def _rows(result: ModelRunnerOutput, keep: np.ndarray) -> ModelRunnerOutput:
-    """The rows ``keep`` (bool mask) of a runner output."""
-    def pick(a: np.ndarray | None) -> np.ndarray | None:
-        return None if a is None else a[keep]
-    return ModelRunnerOutput(result.token_ids[keep], pick(result.logprobs),
-                             pick(result.top_token_ids), pick(result.top_logprobs))
 
 
 @dataclass(slots=True)
@@ -280,7 +272,7 @@ class EngineCore:
         if beam_rows is not None:   # NOTE: beams report only when their search ends
             keep = ~beam_rows
             seq_ids, tokens, finish = seq_ids[keep], tokens[keep], finish[keep]
-            result = _rows(result, keep)
+            result = result.select(keep)
         # NOTE: plain lists: the message crosses a process boundary, and the API process
         # does not import numpy
         outputs.token_ids, outputs.finish_reasons = tokens.tolist(), finish.tolist()
