@@ -12,13 +12,16 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from nybble.config import DEFAULT_MODEL, EngineConfig
-from nybble.outputs import CompletionOutput, RequestOutput
-from nybble.sampling_params import SamplingParams
+from nybble.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, RequestOutput
+from nybble.sampling_params import BeamSearchParams, SamplingParams
 from nybble.version import __version__
 
 __all__ = [
     "DEFAULT_MODEL",
     "LLM",
+    "BeamSearchOutput",
+    "BeamSearchParams",
+    "BeamSearchSequence",
     "CompletionOutput",
     "EngineConfig",
     "LLMEngine",

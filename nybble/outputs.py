@@ -18,6 +18,8 @@ class CompletionOutput:
             token and the top-``logprobs`` tokens; ``None`` when not requested.
         stop_reason: the stop string or the ``stop_token_ids`` entry that ended the sample;
             ``None`` otherwise, also when the model's EOS token ended it (OpenAI/vLLM).
+        cumulative_logprob: beam search only: the sum of the natural-log probabilities of
+            the generated tokens (``None`` otherwise).
     """
 
     index: int
@@ -26,6 +28,7 @@ class CompletionOutput:
     finish_reason: str | None = None
     logprobs: list[dict[int, float]] | None = None
     stop_reason: str | int | None = None
+    cumulative_logprob: float | None = None
 
 
 @dataclass
@@ -90,7 +93,40 @@ class RequestOutput:
                     into.logprobs.extend(o.logprobs)
             into.finish_reason = o.finish_reason or into.finish_reason
             into.stop_reason = o.stop_reason if o.stop_reason is not None else into.stop_reason
+            if o.cumulative_logprob is not None:
+                into.cumulative_logprob = o.cumulative_logprob
         self.outputs.sort(key=lambda o: o.index)
         self.finished = later.finished
         self.metrics = later.metrics or self.metrics
         self.num_new_tokens += later.num_new_tokens
+
+
+@dataclass
+class BeamSearchSequence:
+    """One beam of :meth:`nybble.LLM.beam_search` (vLLM's class of the same name).
+
+    Attributes:
+        tokens: prompt token ids followed by the generated ones (an EOS that ended the
+            beam included).
+        cum_logprob: sum of the natural-log probabilities of the generated tokens.
+        score: ``cum_logprob / len(generated) ** length_penalty``, what the beams are
+            ranked by (transformers' score; not a vLLM field).
+        text: the decoded ``tokens`` (prompt included, special tokens skipped).
+        finish_reason: ``"stop"`` (EOS or a stop token id) or ``"length"``.
+        stop_reason: the ``stop_token_ids`` entry that ended it, else ``None``.
+    """
+
+    tokens: list[int]
+    cum_logprob: float
+    score: float
+    text: str
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+@dataclass
+class BeamSearchOutput:
+    """The result of one prompt of :meth:`nybble.LLM.beam_search`: ``sequences`` best score
+    first (vLLM's class of the same name)."""
+
+    sequences: list[BeamSearchSequence]

@@ -63,6 +63,18 @@ class SamplingParams:
         logprobs: number of top log-probabilities returned per generated token (``None``:
             none); ``0 <= logprobs <= min(max_logprobs, vocabulary size)``.
         skip_special_tokens: drop special tokens from the detokenized text.
+        use_beam_search: beam search instead of sampling (vLLM's extra parameter): the
+            ``n`` best of ``beam_width`` beams are returned, best first. Needs
+            ``temperature == 0``, no ``logprobs`` and no ``stop`` strings; EOS and
+            ``stop_token_ids`` end a beam. Semantics: docs/serving.md ("Beam search").
+        beam_width: beams kept per step, ``n <= beam_width <= max_num_seqs``; ``None``:
+            ``n``.
+        length_penalty: beam search: a finished beam scores ``cumulative_logprob /
+            generated_len ** length_penalty`` (finite; transformers' semantics).
+        early_stopping: beam search: ``True`` (stop once ``beam_width`` beams finished),
+            ``False`` (stop when the best live beam cannot beat them, scored at the current
+            length) or ``"never"`` (the same, scored at ``max_tokens`` when
+            ``length_penalty > 0``); transformers' semantics.
     """
 
     n: int = 1
@@ -77,6 +89,10 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    use_beam_search: bool = False
+    beam_width: int | None = None
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
     stop_list: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -94,3 +110,42 @@ class SamplingParams:
     def greedy(self) -> bool:
         """True when sampling reduces to argmax (``temperature == 0``)."""
         return self.temperature == 0.0
+
+
+def num_candidates(beam_width: int, num_eos: int) -> int:
+    """Beam search's candidates per step, ``max(2, 1 + num_eos) * beam_width`` (transformers'
+    rule: enough that ``beam_width`` of them never end in an EOS id); also the top
+    log-probabilities each beam's row needs."""
+    return max(2, 1 + num_eos) * beam_width
+
+
+@dataclass
+class BeamSearchParams:
+    """Parameters of :meth:`nybble.LLM.beam_search` (vLLM's class of the same name).
+
+    Args:
+        beam_width: beams kept per step (and sequences returned), ``>= 1``.
+        max_tokens: tokens generated at most per beam, ``>= 1``.
+        ignore_eos: EOS does not end a beam.
+        temperature: must be ``0`` (beam search here is deterministic).
+        length_penalty: a finished beam scores ``cumulative_logprob / generated_len **
+            length_penalty``; generated_len counts the EOS token, not the prompt
+            (transformers' semantics).
+        early_stopping: ``True``, ``False`` or ``"never"`` (transformers' semantics, see
+            :class:`SamplingParams`; not a vLLM field).
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+
+    def to_sampling_params(self) -> SamplingParams:
+        """The equivalent :class:`SamplingParams` (every beam returned)."""
+        return SamplingParams(n=self.beam_width, temperature=self.temperature,
+                              max_tokens=self.max_tokens, ignore_eos=self.ignore_eos,
+                              use_beam_search=True, beam_width=self.beam_width,
+                              length_penalty=self.length_penalty,
+                              early_stopping=self.early_stopping)

@@ -20,6 +20,7 @@ from nybble.errors import EngineStepError
 from nybble.kernels import get_attention_backend
 from nybble.models.loader import LoadedModel, load_model
 from nybble.runtime.batch import ScheduledBatch
+from nybble.runtime.beam_core import BeamCoordinator, add_results
 from nybble.runtime.kv_cache import plan_kv_cache
 from nybble.runtime.messages import (
     EngineCoreOutputs,
@@ -93,6 +94,7 @@ class EngineCore:
         self._last_lens = np.zeros(0, np.int32)
         self._last_finished: list[int] = []
         self._pending: ScheduledBatch | None = None  # scheduled, not yet taken by update()
+        self.beams = BeamCoordinator(self.scheduler, self.runner, self._take_seq_ids)
         self._log_start_up()
 
     def _log_start_up(self) -> None:
@@ -124,6 +126,12 @@ class EngineCore:
             max_logprobs=self.config.model_config.max_logprobs,
             num_kv_blocks=self.kv_spec.num_blocks, block_size=self.kv_spec.block_size)
 
+    def _take_seq_ids(self, count: int) -> int:
+        """Reserve ``count`` consecutive fresh sequence ids; returns the first."""
+        first = self._next_seq_id
+        self._next_seq_id += count
+        return first
+
     # ----------------------------------------------------------------- requests
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a validated request; all or nothing (a failure leaves no trace).
@@ -136,8 +144,11 @@ class EngineCore:
                 refused (a bug upstream); nothing is queued then.
         """
         rid, n = request.request_id, request.params.n
-        if rid in self._requests:
+        if rid in self._requests or rid in self.beams.requests:
             raise ValueError(f"request_id must be new to the engine core, got {rid!r} twice")
+        if request.params.use_beam_search:
+            self._unscheduled[self.beams.add(request)] = rid
+            return
         prompt = np.asarray(request.prompt_token_ids, dtype=np.int32)
         stops = np.asarray(request.stop_token_ids, dtype=np.int32)
         seq_id = self._next_seq_id
@@ -162,6 +173,9 @@ class EngineCore:
         """Stop requests now; their KV blocks and sampling rows are freed. Unknown ids are
         ignored."""
         for rid in request_ids:
+            self.beams.abort(rid)
+            self._last_finished += self.beams.freed
+            self.beams.freed = []
             record = self._requests.pop(rid, None)
             if record is None:
                 continue
@@ -192,7 +206,7 @@ class EngineCore:
 
     def request_ids(self) -> list[str]:
         """The requests in the core (waiting or running)."""
-        return list(self._requests)
+        return list(self._requests) + list(self.beams.requests)
 
     def _finish_seq(self, seq_id: int) -> None:
         rid, _ = self._seqs.pop(seq_id)
@@ -205,7 +219,7 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         """Whether any request is waiting or running."""
-        return bool(self._requests)
+        return bool(self._requests) or bool(self.beams.requests)
 
     # ----------------------------------------------------------------- the step
     def step(self) -> EngineCoreOutputs | None:
@@ -235,7 +249,9 @@ class EngineCore:
         take it, and abort every request with a sequence in it (all its samples: KV blocks
         freed, sampling rows dropped). Returns those request ids."""
         seq_ids = batch.seq_ids[:batch.num_seqs].tolist()
-        failed = list(dict.fromkeys(self._seqs[s][0] for s in seq_ids if s in self._seqs))
+        owners = [self._seqs[s][0] if s in self._seqs else self.beams.owner.get(s)
+                  for s in seq_ids]
+        failed = list(dict.fromkeys(r for r in owners if r is not None))
         if self._pending is batch:
             self._pending = None
             self.scheduler.abort_batch(batch)
@@ -248,8 +264,15 @@ class EngineCore:
         outputs = EngineCoreOutputs(scheduled_time=time.monotonic())
         self._note_scheduled(batch.seq_ids, outputs)
         result = self.runner.execute(batch)
-        seq_ids, tokens, finish = self.scheduler.update(batch, result.token_ids)
+        tokens, beam_rows = result.token_ids, None
+        if self.beams.requests:
+            tokens, beam_rows = self.beams.before_update(batch.sample_seq_ids, result)
+        seq_ids, tokens, finish = self.scheduler.update(batch, tokens)
         self._pending = None
+        if beam_rows is not None:   # NOTE: beams report only when their search ends
+            keep = ~beam_rows
+            seq_ids, tokens, finish = seq_ids[keep], tokens[keep], finish[keep]
+            result = result.select(keep)
         # NOTE: plain lists: the message crosses a process boundary, and the API process
         # does not import numpy
         outputs.token_ids, outputs.finish_reasons = tokens.tolist(), finish.tolist()
@@ -264,6 +287,10 @@ class EngineCore:
             outputs.sample_indices.append(index)
         for sid in seq_ids[finish != 0].tolist():
             self._finish_seq(sid)
+        if beam_rows is not None:
+            add_results(outputs, self.beams.after_update())
+            self._last_finished += self.beams.freed
+            self.beams.freed = []
         self._note_live_tokens()
         return outputs
 

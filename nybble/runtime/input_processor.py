@@ -12,9 +12,16 @@ into greedy sampling, and checks, in order:
    ``stop_token_ids`` in the vocabulary; the table is in docs/serving.md);
 2. the prompt: non-empty, every id in the vocabulary;
 3. prompt + ``max_tokens`` within ``max_model_len`` (one message, naming both numbers);
-4. ``n`` within ``max_num_seqs`` (the samples of a request run in one batch);
+4. ``n`` (or the beam width) within ``max_num_seqs`` (the samples of a request run in one
+   batch);
 5. the request fits the whole KV pool (``KVCacheExhaustedError``), so the scheduler, which
-   only asserts, can always run the oldest sequence alone.
+   only asserts, can always run the oldest sequence alone (a beam-search request: all its
+   beams, unshared).
+
+Beam search (``use_beam_search``) also needs ``n <= beam_width``, ``temperature == 0``, no
+``logprobs``, no ``stop`` strings, a finite ``length_penalty``, ``early_stopping`` in
+``True, False, "never"`` and its candidates per step (:func:`num_candidates`) within the
+vocabulary; without it, the beam parameters must keep their defaults.
 
 The gate holds no mutable state: it may run on any thread (the server calls it on its event
 loop, before the engine thread sees the request) and, later, in the API server process.
@@ -29,7 +36,7 @@ from dataclasses import dataclass
 from nybble.errors import InvalidRequestError, KVCacheExhaustedError
 from nybble.runtime.messages import EngineCoreRequest, RequestLimits
 from nybble.runtime.tokenizer import Tokenizer
-from nybble.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
+from nybble.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, num_candidates
 
 __all__ = ["DEFAULT_NAMES", "FLOAT32_TINY", "InputProcessor", "ParamNames", "RequestLimits"]
 
@@ -108,7 +115,8 @@ class InputProcessor:
             ids = [int(t) for t in prompt]
         self.check_token_ids(ids, names.prompt)
         max_tokens = self._resolve_max_tokens(len(ids), params.max_tokens, names)
-        self._check_capacity(len(ids), max_tokens, params.n, names)
+        width = params.n if params.beam_width is None else params.beam_width
+        self._check_capacity(len(ids), max_tokens, width, names, params.use_beam_search)
         stop_ids = list(params.stop_token_ids or [])
         if not params.ignore_eos:
             stop_ids += [t for t in self.eos_token_ids if t not in stop_ids]
@@ -140,6 +148,7 @@ class InputProcessor:
         Raises:
             InvalidRequestError: naming the first parameter out of range.
         """
+        self._check_beam(p, names)   # NOTE: first: the beam width is the offline API's n
         if not _is_int(p.n) or p.n < 1:
             raise _fail("n", "an integer >= 1", p.n)
         if not _is_real(p.temperature) or not 0 <= p.temperature <= FLOAT32_MAX:
@@ -166,6 +175,43 @@ class InputProcessor:
             raise _fail("stop", "non-empty strings", p.stop)
         self.check_token_ids(p.stop_token_ids or [], "stop_token_ids", allow_empty=True)
 
+    def _check_beam(self, p: SamplingParams, names: ParamNames) -> None:
+        """The beam-search parameters (see the module docstring)."""
+        if p.use_beam_search is not True and p.use_beam_search is not False:
+            raise _fail("use_beam_search", "true or false", p.use_beam_search)
+        if not p.use_beam_search:
+            for name, default in (("beam_width", None), ("length_penalty", 1.0),
+                                  ("early_stopping", False)):
+                if getattr(p, name) != default:
+                    raise _fail(name, f"{default!r} unless use_beam_search is set",
+                                getattr(p, name))
+            return
+        width_name = "n" if p.beam_width is None else "beam_width"
+        width = p.n if p.beam_width is None else p.beam_width
+        if not _is_int(width) or width < 1:
+            raise _fail(width_name, "an integer >= 1 (the beam width)", width)
+        if _is_int(p.n) and p.n > width:
+            raise _fail("n", f"<= the beam width ({width})", p.n)
+        if p.temperature != 0:
+            raise _fail("temperature", "0 with use_beam_search (beam search is "
+                        "deterministic)", p.temperature)
+        if p.logprobs is not None:
+            raise _fail(names.logprobs, "unset with use_beam_search (not supported)",
+                        p.logprobs)
+        if p.stop_list:
+            raise _fail("stop", "unset with use_beam_search (stop strings are not "
+                        "supported; stop_token_ids are)", p.stop)
+        if not _is_real(p.length_penalty) or not abs(p.length_penalty) <= FLOAT32_MAX:
+            raise _fail("length_penalty", "a finite number", p.length_penalty)
+        if not any(p.early_stopping is v for v in (True, False)) and p.early_stopping != "never":
+            raise _fail("early_stopping", 'true, false or "never"', p.early_stopping)
+        eos = set(p.stop_token_ids or []) | set(() if p.ignore_eos else self.eos_token_ids)
+        cands, vocab = num_candidates(width, len(eos)), self.limits.vocab_size
+        if cands > vocab:
+            raise _fail(width_name, f"at most {vocab // max(2, 1 + len(eos))} (each step "
+                        f"keeps max(2, 1 + {len(eos)} stop ids) x width candidates, at most "
+                        f"the vocabulary of {vocab})", width)
+
     def _resolve_max_tokens(self, num_prompt: int, max_tokens: int | None,
                             names: ParamNames) -> int:
         """``max_tokens``, or the rest of the context when ``None``; the length check."""
@@ -183,18 +229,21 @@ class InputProcessor:
         return resolved
 
     def _check_capacity(self, num_prompt: int, max_tokens: int, n: int,
-                        names: ParamNames) -> None:
-        """``n`` within ``max_num_seqs``; the request's longest sequence within the pool."""
+                        names: ParamNames, all_at_once: bool = False) -> None:
+        """``n`` within ``max_num_seqs``; the request's longest sequence within the pool
+        (``all_at_once``: ``n`` of them, the beams of a beam search, which advance
+        together)."""
         cap = self.limits.max_num_seqs
         if n > cap:
             raise InvalidRequestError(f"n must be <= {cap} (max_num_seqs: the samples of a "
                                       f"request run in one batch), got {n}", param="n")
         lim = self.limits
         total = min(num_prompt + max_tokens, lim.max_model_len)
-        need = -(-total // lim.block_size)
+        need = -(-total // lim.block_size) * (n if all_at_once else 1)
         if need > lim.num_kv_blocks:
+            beams = f"{n} beams x " if all_at_once else ""
             raise KVCacheExhaustedError(
-                f"the request needs {need} KV blocks (min(prompt {num_prompt} + "
+                f"the request needs {need} KV blocks ({beams}min(prompt {num_prompt} + "
                 f"{names.max_tokens} {max_tokens}, max_model_len {lim.max_model_len}) = "
                 f"{total} tokens at {lim.block_size} per block), but the KV cache holds "
                 f"only {lim.num_kv_blocks} blocks", param=names.max_tokens)

@@ -8,10 +8,10 @@ from typing import Any
 from tqdm import tqdm
 
 from nybble.config import EngineConfig
-from nybble.outputs import RequestOutput
+from nybble.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, RequestOutput
 from nybble.runtime.engine import LLMEngine
 from nybble.runtime.tokenizer import Tokenizer
-from nybble.sampling_params import SamplingParams
+from nybble.sampling_params import BeamSearchParams, SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -31,6 +31,16 @@ def _normalise(prompts: PromptType | Sequence[PromptType]) -> list[str | list[in
                             f"{type(p).__name__}")
         out.append(p)
     return out
+
+
+def _beam_sequence(prompt_ids: list[int], out: CompletionOutput, length_penalty: float,
+                   tokenizer: Tokenizer) -> BeamSearchSequence:
+    tokens = prompt_ids + out.token_ids
+    cum = out.cumulative_logprob if out.cumulative_logprob is not None else 0.0
+    return BeamSearchSequence(tokens=tokens, cum_logprob=cum,
+                              score=cum / len(out.token_ids) ** length_penalty,
+                              text=tokenizer.decode(tokens, skip_special_tokens=True),
+                              finish_reason=out.finish_reason, stop_reason=out.stop_reason)
 
 
 class LLM:
@@ -82,6 +92,42 @@ class LLM:
         if len(params) != len(items):
             raise ValueError(f"sampling_params must be one or {len(items)} items, got "
                              f"{len(params)}")
+        return self._run(items, params, use_tqdm)
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """Beam search for every prompt (vLLM's ``LLM.beam_search``), batched with continuous
+        batching: one forward per step for every live beam of every prompt; the beams share
+        KV blocks (fork, copy-on-write) and pruned beams free theirs at once.
+
+        The rule is transformers' (``generate(num_beams=beam_width, do_sample=False,
+        length_penalty=..., early_stopping=...)``); see docs/serving.md ("Beam search")
+        and :mod:`nybble.runtime.beam_search`.
+
+        Args:
+            prompts: text, token ids, or a list of them.
+            params: the search's parameters.
+            use_tqdm: show a progress bar over finished prompts.
+
+        Returns:
+            One :class:`BeamSearchOutput` per prompt, its ``beam_width`` sequences best
+            score first.
+
+        Raises:
+            InvalidRequestError: (a ``ValueError``) a parameter out of range, naming it
+                (``beam_width``, ``max_tokens``, ``temperature``, ``length_penalty``,
+                ``early_stopping``), or a prompt that cannot fit.
+            EngineStepError: an engine step failed for some of these requests.
+        """
+        items = _normalise(prompts)
+        outs = self._run(items, [params.to_sampling_params()] * len(items), use_tqdm)
+        tok = self.get_tokenizer()
+        return [BeamSearchOutput([_beam_sequence(o.prompt_token_ids, c, params.length_penalty,
+                                                 tok) for c in o.outputs]) for o in outs]
+
+    def _run(self, items: list[str | list[int]], params: list[SamplingParams],
+             use_tqdm: bool) -> list[RequestOutput]:
+        """Add every request, step until they all finished; outputs keep the input order."""
         engine = self.llm_engine
         ids: list[str] = []
         final: dict[str, RequestOutput] = {}

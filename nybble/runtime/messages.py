@@ -117,6 +117,9 @@ class EngineCoreOutputs(msgspec.Struct, tag=True):
         top_token_ids, top_logprobs: ``S`` rows of the ``k`` most likely tokens (``k`` = the
             largest ``logprobs`` asked for in the step), or ``None``.
         first_scheduled: ids of the requests scheduled for the first time in this step.
+        cumulative_logprobs: per beam-search request that ended in this step, the
+            cumulative log-probability of each returned beam (by sample index); its rows
+            carry each beam's whole token ids at once.
         scheduled_time: ``time.monotonic()`` when the step was scheduled (seconds).
         stats: the engine's counters after the step (set by the core process; a message
             with no rows and only ``stats`` says the core went idle).
@@ -130,6 +133,7 @@ class EngineCoreOutputs(msgspec.Struct, tag=True):
     top_token_ids: list[list[int]] | None = None
     top_logprobs: list[list[float]] | None = None
     first_scheduled: list[str] = msgspec.field(default_factory=list)
+    cumulative_logprobs: dict[str, list[float]] | None = None
     scheduled_time: float = 0.0
     stats: EngineStats | None = None
 

@@ -48,6 +48,13 @@ class ModelRunnerOutput:
     top_token_ids: np.ndarray | None
     top_logprobs: np.ndarray | None
 
+    def select(self, keep: np.ndarray) -> ModelRunnerOutput:
+        """The rows where ``keep`` (``bool[S]``) is true."""
+        def pick(a: np.ndarray | None) -> np.ndarray | None:
+            return None if a is None else a[keep]
+        return ModelRunnerOutput(self.token_ids[keep], pick(self.logprobs),
+                                 pick(self.top_token_ids), pick(self.top_logprobs))
+
 
 def _host(t: torch.Tensor | None) -> np.ndarray | None:
     return None if t is None else t.cpu().numpy()

@@ -89,6 +89,10 @@ class OutputProcessor:
                 self.requests[rid].metrics.first_scheduled_time = core.scheduled_time
         changed: dict[str, Request] = {}
         stopped: list[tuple[str, int]] = []
+        for rid, values in (core.cumulative_logprobs or {}).items():
+            if rid in self.requests:  # beam search: set before its rows end the request
+                for sample, value in zip(self.requests[rid].samples, values):
+                    sample.output.cumulative_logprob = value
         for row, (rid, index, token, code) in enumerate(zip(
                 core.request_ids, core.sample_indices, core.token_ids, core.finish_reasons)):
             request = self.requests.get(rid)

@@ -239,6 +239,10 @@ class ReferenceScheduler:
             if seq is None or seq.status != "running":
                 finish.append(FinishReason.ABORTED)    # finished while in flight
                 continue
+            if token < 0:                              # declined: computed again next step
+                seq.num_computed -= 1
+                finish.append(FinishReason.NONE)
+                continue
             seq.tokens.append(token)
             reason = FinishReason.NONE
             if token in seq.stop_token_ids:
@@ -268,18 +272,39 @@ class ReferenceScheduler:
             raise ValueError("`batch` must be the batch returned by the last schedule() and "
                              "not yet updated, got a stale or foreign batch")
 
+    def fork(self, seq_id: int, new_seq_id: int, last_token: int) -> None:
+        """Beam search: ``Scheduler.fork`` (same checks and errors)."""
+        if self._inflight is not None and self._inflight.num_seqs > 0:
+            raise ValueError("fork() needs no batch in flight: call update() first")
+        p = self.seqs.get(seq_id)
+        if p is None or p.status != "running" or p.num_scheduled \
+                or p.num_computed != len(p.tokens) - 1:
+            raise ValueError(f"`seq_id` must be a running sequence between steps whose last "
+                             f"token only is uncomputed, got {seq_id}")
+        if new_seq_id in self.seqs:
+            raise ValueError(f"`new_seq_id` must be unused, got {new_seq_id}")
+        weight = sum(s.num_samples for s in self.running)
+        if weight + 1 > self.max_num_seqs:
+            raise ValueError(f"fork() needs a free place under max_num_seqs "
+                             f"({self.max_num_seqs}), got {weight} running")
+        self._clone(p, new_seq_id).tokens[-1] = last_token
+
     def _fork(self, parent: ReferenceSequence, i: int) -> ReferenceSequence | None:
         """Sibling ``i`` of a group whose prompt completed: a copy after this step that
         shares the parent's blocks; None when the parent finished meanwhile."""
         if parent.status != "running":
             return None
+        parent.num_samples -= 1
+        return self._clone(parent, parent.seq_id + i)
+
+    def _clone(self, parent: ReferenceSequence, seq_id: int) -> ReferenceSequence:
+        """A running copy of ``parent`` after the in-flight step, sharing its blocks."""
         child = ReferenceSequence(
-            parent.seq_id + i, list(parent.tokens), parent.num_prompt_tokens,
+            seq_id, list(parent.tokens), parent.num_prompt_tokens,
             parent.max_tokens, parent.stop_token_ids, 1, "running",
             parent.num_computed + parent.num_scheduled, 0, parent.num_hashed, list(parent.blocks))
         for block in child.blocks:
             self.allocator.incref(block)
-        parent.num_samples -= 1
         self.seqs[child.seq_id] = child
         self.running.append(child)
         return child

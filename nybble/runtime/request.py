@@ -77,7 +77,9 @@ class Request:
                                  finish_reason=s.output.finish_reason,
                                  logprobs=None if s.output.logprobs is None
                                  else list(s.output.logprobs),
-                                 stop_reason=s.output.stop_reason) for s in self.samples]
+                                 stop_reason=s.output.stop_reason,
+                                 cumulative_logprob=s.output.cumulative_logprob)
+                for s in self.samples]
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs,
                              self.finished, self.metrics, self.new_tokens)
 
@@ -94,7 +96,8 @@ class Request:
             o = self.samples[index].output
             outs.append(CompletionOutput(index=o.index, text=o.text, token_ids=o.token_ids,
                                          finish_reason=o.finish_reason, logprobs=o.logprobs,
-                                         stop_reason=o.stop_reason))
+                                         stop_reason=o.stop_reason,
+                                         cumulative_logprob=o.cumulative_logprob))
             o.text, o.token_ids = "", []
             if o.logprobs is not None:
                 o.logprobs = []

@@ -234,7 +234,10 @@ cdef class Scheduler:
 
         Args:
             batch: the ScheduledBatch returned by the last ``schedule()``.
-            sampled: int32[S] token ids, one per ``batch.sample_rows`` entry.
+            sampled: int32[S] token ids, one per ``batch.sample_rows`` entry; ``-1`` declines
+                a row's token (beam search, when a sibling beam was not sampled in this
+                step): nothing is appended, the last token is computed again next step,
+                and its finish code is 0.
 
         Returns:
             (seq_ids int64[S], tokens int32[S], finish int8[S]) with :class:`FinishReason`
@@ -280,6 +283,22 @@ cdef class Scheduler:
         for seq_id in ids.tolist():
             self._seqs.finish(seq_id)
         return ids
+
+    def fork(self, int64_t seq_id, int64_t new_seq_id, int last_token) -> None:
+        """Beam search: start ``new_seq_id`` as a copy of running ``seq_id`` (after
+        :meth:`update`) whose last, uncomputed token is ``last_token`` instead. It shares
+        the blocks of ``seq_id`` by reference count (fork), the partial last block is
+        copied on its first write, and it joins the back of the running queue (weight 1).
+
+        Raises:
+            ValueError: ``seq_id`` is not running with only its last token uncomputed, a
+                batch is in flight, ``new_seq_id`` is in use, or ``max_num_seqs`` sequences
+                already run (finish pruned beams first).
+            RuntimeError: the block bookkeeping is corrupt (a bug).
+        """
+        if self._inflight is not None and self._inflight.num_seqs > 0:
+            raise ValueError("fork() needs no batch in flight: call update() first")
+        self._seqs.fork(seq_id, new_seq_id, last_token, self.max_num_seqs)
 
     def finish(self, int64_t seq_id, int reason) -> None:
         """Finish ``seq_id`` now (:class:`FinishReason` STOPPED for a stop string, LENGTH, or

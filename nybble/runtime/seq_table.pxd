@@ -9,7 +9,7 @@ Public C surface for the Scheduler (every field with a leading underscore is pri
   ``st.running[0:num_running]`` (admission order, oldest first), with ``running_weight``;
 * the state changes of a sequence: ``add`` (new, back of waiting), ``take_cached_prefix`` and
   ``admit`` / ``pop_waiting`` (admission), ``preempt_last``, ``apply_step`` (a step's results:
-  advance, fork, append, finish), ``finish``, ``free_blocks``.
+  advance, fork, append, finish), ``finish``, ``fork`` (beam search), ``free_blocks``.
 """
 from libc.stdint cimport int8_t, int32_t, int64_t
 
@@ -44,7 +44,10 @@ cdef class SequenceTable:
                         int64_t[::1] out_ids, int32_t[::1] out_tokens,
                         int8_t[::1] out_finish) except -1
     cdef bint finish(self, int64_t seq_id) except -1
+    cdef int fork(self, int64_t seq_id, int64_t new_seq_id, int32_t last_token,
+                  int32_t max_weight) except -1
     cdef int _fork_groups(self, BatchBuilder batch) except -1
+    cdef int32_t _clone_running(self, int32_t p, int64_t new_seq_id) except -1
 
     # GIL released (errors are negative return codes, see block_allocator.AllocStatus)
     cdef int free_blocks(self, int32_t slot) noexcept nogil

@@ -105,20 +105,56 @@ cdef class SequenceTable:
                     or self.st.seqs[p].seq_id + i != batch.sample_seq_ids[r]):
                 batch.set_sample_slot(r, -1)    # parent finished meanwhile: no sibling
                 continue
-            c = store_new_slot(&self.st, self.st.seqs[p].seq_id + i, self.st.seqs[p].num_stop,
-                               self.st.seqs[p].cap_tokens)
-            self._slot_of[self.st.seqs[p].seq_id + i] = c
-            store_clone(&self.st, p, c)
-            raise_alloc_error(self._allocator.fork_blocks(
-                seq_table(&self.st, p), seq_table(&self.st, c), self.st.seqs[p].num_blocks),
-                self._allocator.err_block)
-            self.st.seqs[c].num_blocks = self.st.seqs[p].num_blocks
-            self.st.seqs[c].status = SEQ_RUNNING
-            self.st.running[self.num_running] = c
-            self.num_running += 1
+            c = self._clone_running(p, self.st.seqs[p].seq_id + i)
             self.st.seqs[p].num_samples -= 1   # its share of the group's weight moves to c
             batch.set_sample_slot(r, c)
         return 0
+
+    cdef int32_t _clone_running(self, int32_t p, int64_t new_seq_id) except -1:
+        """A new running sequence ``new_seq_id``, a copy of running slot ``p`` after the
+        in-flight step (see ``store_clone``), sharing each of its blocks (one more
+        reference), at the back of the running queue. Returns its slot."""
+        # NOTE: store_new_slot may move the arena and the slot arrays: index, never hold
+        cdef int32_t c = store_new_slot(&self.st, new_seq_id, self.st.seqs[p].num_stop,
+                                        self.st.seqs[p].cap_tokens)
+        self._slot_of[new_seq_id] = c
+        store_clone(&self.st, p, c)
+        raise_alloc_error(self._allocator.fork_blocks(
+            seq_table(&self.st, p), seq_table(&self.st, c), self.st.seqs[p].num_blocks),
+            self._allocator.err_block)
+        self.st.seqs[c].num_blocks = self.st.seqs[p].num_blocks
+        self.st.seqs[c].status = SEQ_RUNNING
+        self.st.running[self.num_running] = c
+        self.num_running += 1
+        return c
+
+    cdef int fork(self, int64_t seq_id, int64_t new_seq_id, int32_t last_token,
+                  int32_t max_weight) except -1:
+        """Beam search: a new running sequence ``new_seq_id`` that is ``seq_id`` with its last
+        (not yet computed) token replaced by ``last_token``. It shares every block of
+        ``seq_id`` (one more reference each); the partial last block is copied on its first
+        write (``allocate_slots``). Weighs 1 in ``running_weight``. Returns its slot.
+
+        Raises:
+            ValueError: ``seq_id`` is not running between steps with exactly its last token
+                uncomputed, ``new_seq_id`` is in use, or ``running_weight`` would exceed
+                ``max_weight`` (the scheduler's ``max_num_seqs``: the batch's row capacity).
+            RuntimeError: the block bookkeeping is corrupt (a bug).
+        """
+        cdef int32_t p = self.find(seq_id), c
+        if p < 0 or self.st.seqs[p].status != SEQ_RUNNING or self.st.seqs[p].num_scheduled \
+                or self.st.seqs[p].num_computed != self.st.seqs[p].num_tokens - 1:
+            raise ValueError(f"`seq_id` must be a running sequence between steps whose last "
+                             f"token only is uncomputed, got {seq_id}")
+        if self.find(new_seq_id) >= 0:
+            raise ValueError(f"`new_seq_id` must be unused, got {new_seq_id}")
+        if self.running_weight + 1 > max_weight:
+            raise ValueError(f"fork() needs a free place under max_num_seqs ({max_weight}), "
+                             f"got {self.running_weight} running")
+        c = self._clone_running(p, new_seq_id)
+        seq_tokens(&self.st, &self.st.seqs[c])[self.st.seqs[c].num_tokens - 1] = last_token
+        self.running_weight += 1
+        return c
 
     cdef bint finish(self, int64_t seq_id) except -1:
         """End ``seq_id`` now, waiting or running (an unforked group goes as a whole): out of
@@ -229,6 +265,10 @@ cdef class SequenceTable:
                 out_finish[r] = FinishReason.ABORTED    # finished while its batch was in flight
                 continue
             s = &st.seqs[slot]
+            if sampled[r] < 0:  # NOTE: token declined (beam search): recompute the last one
+                s.num_computed -= 1
+                out_finish[r] = FinishReason.NONE
+                continue
             fin = append_token(st, s, sampled[r], self._max_model_len)
             out_finish[r] = fin
             if fin != FinishReason.NONE:

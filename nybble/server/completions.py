@@ -1,11 +1,15 @@
 """``POST /v1/completions``: prompts -> the serving pipeline; completion-shaped chunks."""
 from __future__ import annotations
 
+import dataclasses
+
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
+from nybble.errors import InvalidRequestError
 from nybble.outputs import CompletionOutput, RequestOutput
 from nybble.runtime.input_processor import DEFAULT_NAMES
+from nybble.sampling_params import SamplingParams
 from nybble.server.auth import require_api_key
 from nybble.server.logprobs import SampleDecoder, completion_logprobs
 from nybble.server.openapi import generation_responses
@@ -28,6 +32,28 @@ def prompt_list(req: CompletionRequest) -> list[str | list[int]]:
     return list(prompt)                             # type: ignore[arg-type]
 
 
+def beam_params(req: CompletionRequest, params: SamplingParams) -> SamplingParams:
+    """``params`` with the request's beam-search fields (the gate checks their values);
+    an omitted ``temperature`` is 0 with ``use_beam_search``.
+
+    Raises:
+        InvalidRequestError: ``stream`` with ``use_beam_search`` (the beams are known only
+            when the search ends).
+    """
+    if not req.use_beam_search:
+        extra = {"length_penalty": req.length_penalty, "early_stopping": req.early_stopping}
+        given = {k: v for k, v in extra.items() if v is not None}
+        return dataclasses.replace(params, **given)  # NOTE: the gate refuses non-defaults
+    if req.stream:
+        raise InvalidRequestError("stream must be false with use_beam_search (the beams are "
+                                  "known only when the search ends), got true", param="stream")
+    return dataclasses.replace(
+        params, use_beam_search=True,
+        temperature=0.0 if req.temperature is None else req.temperature,
+        length_penalty=1.0 if req.length_penalty is None else req.length_penalty,
+        early_stopping=False if req.early_stopping is None else req.early_stopping)
+
+
 @router.post("/v1/completions", response_model=None,
              responses=generation_responses(CompletionResponse, CompletionResponse))
 async def create_completion(req: CompletionRequest,
@@ -44,7 +70,7 @@ async def create_completion(req: CompletionRequest,
     t0 = arrival()
     state = get_state(request)
     state.check_model(req.model)
-    params = sampling_params(req, req.max_tokens, req.logprobs)
+    params = beam_params(req, sampling_params(req, req.max_tokens, req.logprobs))
     renderer = CompletionRenderer(state, req, new_id("cmpl"))
     include_usage = req.stream_options is not None and req.stream_options.include_usage
     return await serve(request, state, renderer, params, DEFAULT_NAMES, t0, req.stream,

@@ -142,12 +142,18 @@ class CompletionRequest(_SamplingFields):
     ``prompt``: a string, a list of strings, a list of token ids, or a list of token-id lists;
     each prompt yields ``n`` choices, numbered ``prompt_index * n + sample_index``.
     ``logprobs``: top-N log-probabilities per generated token.
+    ``use_beam_search`` (vLLM's extra parameter): ``n`` beams, all returned best first;
+    ``length_penalty`` and ``early_stopping`` as in transformers (docs/serving.md, "Beam
+    search"); the gate checks them.
     """
 
     prompt: Prompt
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False    # NOTE: after logprobs, so that its validator sees logprobs
+    use_beam_search: bool = False
+    length_penalty: float | None = None
+    early_stopping: bool | Literal["never"] | None = None
 
     @field_validator("prompt")
     @classmethod

@@ -186,6 +186,18 @@ def assert_same_batch(got: ScheduledBatch, want: ScheduledBatch) -> None:
             assert a == b, (f.name, a, b)
 
 
+def step_both(cy: Any, ref: Any, sampler: Callable[[ScheduledBatch], np.ndarray]
+              ) -> ScheduledBatch:
+    """One step of two schedulers in lockstep: equal batches, the same ``sampler(batch)``
+    tokens given to both, equal ``update`` results. Returns the Cython batch."""
+    batch, ref_batch = cy.schedule(), ref.schedule()
+    assert_same_batch(batch, ref_batch)
+    sampled = sampler(batch)
+    for a, b in zip(cy.update(batch, sampled), ref.update(ref_batch, sampled)):
+        assert a.dtype == b.dtype and np.array_equal(a, b)
+    return batch
+
+
 def assert_same_state(got: Any, want: Any) -> None:
     """Counters, block pool (ref counts, free list order, parked LRU), queues and every
     sequence of two schedulers are equal. ``max_tokens`` is left out: the Cython core keeps

@@ -1,7 +1,7 @@
 """The Cython scheduler against its plain-Python reference (the oracle), step by step.
 
-Random add / schedule / update / finish / abort-in-flight / failed-step (``abort_batch``)
-sequences drive both; every
+Random add / schedule / update (with declined tokens) / finish / abort-in-flight / failed-step
+(``abort_batch``) / fork (beam search) sequences drive both; every
 ScheduledBatch (input ids, positions, slot mapping, block tables, ... -- identical block ids,
 since both allocate in the same order), every update() result, the counters, the block pool
 and every sequence must match after each operation.
@@ -17,7 +17,7 @@ from nybble.runtime.scheduler import Scheduler
 
 from nybble.runtime.reference_scheduler import ReferenceScheduler
 from nybble.runtime.sequence import FinishReason
-from tests.runtime.helpers import assert_same_batch, assert_same_state
+from tests.runtime.helpers import assert_same_batch, assert_same_state, step_both
 
 STOP = 11
 
@@ -72,8 +72,8 @@ class SchedulerMatchesReference(RuleBasedStateMachine):
             self.next_id += num_samples
 
     @rule(seed=st.integers(0, 2**16), abort=st.none() | st.integers(0, 1000),
-          fail=st.integers(0, 7))
-    def step(self, seed: int, abort: int | None, fail: int = 1) -> None:
+          fail=st.integers(0, 7), decline=st.integers(0, 3))
+    def step(self, seed: int, abort: int | None, fail: int = 1, decline: int = 1) -> None:
         ok, batch, ref_batch = self._both("schedule")
         assert ok
         assert_same_batch(batch, ref_batch)
@@ -90,9 +90,25 @@ class SchedulerMatchesReference(RuleBasedStateMachine):
             return
         # Tokens 0..2 continue the stem's alphabet (more hits); 11 is a stop id.
         sampled = np.random.default_rng(seed).choice([0, 1, 2, 5, STOP], batch.num_sampled)
+        if decline == 0:    # beam search waiting for a beam: tokens declined (-1)
+            sampled[np.random.default_rng(seed + 1).random(batch.num_sampled) < 0.5] = -1
         got, want = self.cy.update(batch, sampled), self.ref.update(ref_batch, sampled)
         for a, b in zip(got, want):
             assert a.dtype == b.dtype and np.array_equal(a, b), (got, want)
+
+    @rule(pick=st.integers(0, 1000), token=st.integers(0, 2))
+    def fork(self, pick: int, token: int) -> None:
+        """Beam search's fork of a live sequence (a ValueError on both unless it is running
+        with only its last token uncomputed)."""
+        live = sorted(self.ref.seqs)
+        ready = [s for s in live if self.ref.seqs[s].status == "running"
+                 and self.ref.seqs[s].num_computed == len(self.ref.seqs[s].tokens) - 1]
+        pool = ready if ready and pick % 4 else live     # mostly forkable ones
+        ok, _, _ = self._both("fork", pool[pick % len(pool)] if pool else pick, self.next_id,
+                              token)
+        if ok:
+            self.next_id += 1
+            event("forked a beam")
 
     @rule(pick=st.integers(0, 1000), reason=st.sampled_from(list(FinishReason)))
     def finish(self, pick: int, reason: FinishReason) -> None:
@@ -138,11 +154,7 @@ def test_reference_matches_on_a_crowded_pool_with_groups(chunked: bool) -> None:
         sched.add(4, np.concatenate([prompt, [2, 2]]).astype(np.int32), 8, (STOP,))
     copies = 0
     while ref.has_unfinished():
-        batch, ref_batch = cy.schedule(), ref.schedule()
-        assert_same_batch(batch, ref_batch)
+        batch = step_both(cy, ref, lambda b: (b.sample_seq_ids % 3).astype(np.int32))
         copies += len(batch.copy_src)
-        sampled = (batch.sample_seq_ids % 3).astype(np.int32)
-        for a, b in zip(cy.update(batch, sampled), ref.update(ref_batch, sampled)):
-            assert np.array_equal(a, b)
         assert_same_state(cy, ref)
     assert ref.num_preemptions > 0 and ref.num_prefix_hit_tokens > 0 and copies > 0
