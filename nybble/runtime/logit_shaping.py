@@ -211,8 +211,7 @@ class LogitShaping:
         if n["bias"]:
             m = h["bias"][slots]
             if m.any():
-                r = self._t(rows[m])
-                logits[r] += self._bias[self._t(slots[m])]
+                logits.index_add_(0, self._t(rows[m]), self._bias[self._t(slots[m])])
         if n["bad"]:
             self._ban_bad_words(logits, rows, slots)
         if n["pen"]:
