@@ -9,8 +9,8 @@ tokens) yields nothing until the character completes, so no piece holds half a c
 
 Stop strings: none ends the text before the sample has more than ``min_tokens`` tokens (a stop
 string completed by one of the first ``min_tokens`` tokens is not a stop; vLLM's rule, the
-same bound as for stop token ids). The last ``max(len(stop)) - 1`` characters are held back while running, so
-streamed pieces never contain text that a stop string later removes; the concatenation of all
+same bound as for stop token ids). The last ``max(len(stop)) - 1`` characters are held back
+while running, so streamed pieces never contain text that a stop string later removes; the concatenation of all
 deltas equals the final text.
 """
 from __future__ import annotations

@@ -9,7 +9,8 @@ dense segments (:meth:`LlamaForCausalLM.compile_segments`).
 The runner owns everything torch-side of a step: the model, the KV caches, and the sampling
 state of every live sequence (a :class:`SamplingTable`: rows added when the engine core admits
 a request, dropped when a sequence finishes; a :class:`LogitShaping` row for the sequences that
-use logit bias, penalties, min_tokens, bad words, allowed ids or a grammar). Results leave as numpy arrays.
+use logit bias, penalties, min_tokens, bad words, allowed ids or a grammar). Results leave as
+numpy arrays.
 """
 from __future__ import annotations
 

@@ -5,9 +5,9 @@ the context, ``logprobs``, ``seed``, token ids...) is checked once, by the engin
 gate (:mod:`nybble.runtime.input_processor`; ``InvalidRequestError`` -> 400). Unknown request
 fields are ignored, as OpenAI clients send fields nybble does not use (``user``,
 ``metadata``, ...); the fields nybble does not implement (``best_of`` other than ``n``,
-``suffix``, ``tools``, ``echo`` with ``logprobs``, content parts other than ``text``) are declared, and the validators below refuse
-a non-neutral value with a 400 naming the field instead of silently ignoring it: this is the
-one place such refusals live.
+``suffix``, ``tools``, ``echo`` with ``logprobs``, content parts other than ``text``) are
+declared, and the validators below refuse a non-neutral value with a 400 naming the field
+instead of silently ignoring it: this is the one place such refusals live.
 
 Every model here derives from :class:`RequestModel` (``request_base.py``): strict types,
 ``null`` = omitted, nullable optional fields in the schema, valid Unicode only.
