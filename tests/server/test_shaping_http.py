@@ -14,7 +14,8 @@ import pytest
 from nybble import LLM, SamplingParams
 from nybble.config import DEFAULT_MODEL
 from tests.runtime.test_structured_output import PERSON, closing_bias
-from tests.server.conftest import Server
+from tests.server.conftest import Server, core_pid
+from tests.server.test_process import _maps
 
 pytestmark = [pytest.mark.server]
 
@@ -139,3 +140,13 @@ def test_bad_values_are_400s(server: Server, path: str, base: dict, extra: dict,
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
     assert _post(server, path, {**base, "max_tokens": 4}).status_code == 200
+
+
+def test_the_api_process_stays_free_of_torch_and_xgrammar(server: Server) -> None:
+    """After structured-output requests (this module's, run before), grammars were compiled
+    in the engine core only: the API process maps neither torch nor xgrammar."""
+    body = {**COMPLETION, "max_tokens": 20, "guided_choice": ["yes", "no"]}
+    assert _texts(server, "/v1/completions", body)[0] in ("yes", "no")
+    maps = _maps(server.pid)
+    assert "libtorch" not in maps and "xgrammar" not in maps
+    assert "xgrammar" in _maps(core_pid(server.pid))   # the check sees it where it is
