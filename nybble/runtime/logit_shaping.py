@@ -31,9 +31,8 @@ import numpy as np
 import torch
 
 from nybble.runtime.messages import EngineCoreRequest
-from nybble.runtime.structured_output import GrammarMatcher, allocate_bitmask, apply_bitmask
-
-_NEG_INF = float("-inf")
+from nybble.runtime.shaping_rows import NEG_INF, banned_next, static_row
+from nybble.runtime.structured_output import GrammarBitmask, GrammarMatcher
 
 
 class LogitShaping:
@@ -60,7 +59,7 @@ class LogitShaping:
         self._bad: list[list[tuple[tuple[int, ...], int]] | None] = []
         self._history: list[list[int] | None] = []
         self._matchers: list[GrammarMatcher | None] = []
-        self._bitmask: torch.Tensor | None = None
+        self._bitmask = GrammarBitmask(vocab_size)
         self._grow(capacity)
 
     def __len__(self) -> int:
@@ -111,7 +110,7 @@ class LogitShaping:
         ids = range(first_seq_id, first_seq_id + p.n)
         if any(s in self._slot for s in ids):
             raise ValueError(f"sequence ids {ids.start}..{ids.stop - 1} must be new")
-        static = self._static_row(request)
+        static = static_row(request, self.vocab_size, self.device)
         multi = [(tuple(w[:-1]), w[-1]) for w in request.bad_words_token_ids if len(w) > 1]
         prompt = torch.tensor(request.prompt_token_ids, dtype=torch.int64, device=self.device)
         stops = np.asarray(request.stop_token_ids, np.int64) if p.min_tokens else None
@@ -136,24 +135,6 @@ class LogitShaping:
             self._history[row] = [] if multi else None
             self._matchers[row] = None if matchers is None else matchers[i]
             self._count(row, +1)
-
-    def _static_row(self, request: EngineCoreRequest) -> torch.Tensor | None:
-        """``logit_bias``, ``allowed_token_ids`` and single-token bad words as one additive
-        ``[vocab]`` float32 row, or ``None`` when the request has none of them."""
-        p = request.params
-        single = [w[0] for w in request.bad_words_token_ids if len(w) == 1]
-        if not (p.logit_bias or p.allowed_token_ids or single):
-            return None
-        row = torch.zeros(self.vocab_size)
-        if p.allowed_token_ids:
-            row.fill_(_NEG_INF)
-            row[torch.tensor(p.allowed_token_ids, dtype=torch.int64)] = 0.0
-        if p.logit_bias:
-            ids = torch.tensor([int(k) for k in p.logit_bias], dtype=torch.int64)
-            row[ids] += torch.tensor(list(p.logit_bias.values()), dtype=torch.float32)
-        if single:
-            row[torch.tensor(single, dtype=torch.int64)] = _NEG_INF
-        return row.to(self.device)
 
     def _count(self, row: int, sign: int) -> None:
         h, n = self._host, self._num
@@ -213,20 +194,26 @@ class LogitShaping:
             if m.any():
                 logits.index_add_(0, self._t(rows[m]), self._bias[self._t(slots[m])])
         if n["bad"]:
-            self._ban_bad_words(logits, rows, slots)
+            hits = [(i, last) for i, s in zip(rows.tolist(), slots.tolist())
+                    for last in banned_next(self._bad[s], self._history[s])]
+            if hits:
+                ban = torch.tensor(hits, device=self.device)
+                logits[ban[:, 0], ban[:, 1]] = NEG_INF
         if n["pen"]:
             m = h["pen"][slots]
             if m.any():
                 self._penalize(logits, rows[m], slots[m])
+        before_min = None
         if n["min"]:
             m = h["out"][slots] < h["min"][slots]
             if m.any():
+                before_min = logits.clone() if n["grammar"] else None
                 r = np.concatenate([np.full(len(self._stops[s]), i)   # type: ignore[arg-type]
                                     for i, s in zip(rows[m], slots[m])])
                 t = np.concatenate([self._stops[s] for s in slots[m]])  # type: ignore[misc]
-                logits[self._t(r), self._t(t)] = _NEG_INF
+                logits[self._t(r), self._t(t)] = NEG_INF
         if n["grammar"]:
-            self._apply_grammar(logits, rows, slots)
+            self._apply_grammar(logits, rows, slots, before_min)
         return logits
 
     def _penalize(self, logits: torch.Tensor, rows: np.ndarray, slots: np.ndarray) -> None:
@@ -242,33 +229,26 @@ class LogitShaping:
         x -= self._t(h["pres"][slots])[:, None] * out_seen
         logits[r] = x
 
-    def _ban_bad_words(self, logits: torch.Tensor, rows: np.ndarray, slots: np.ndarray) -> None:
-        banned_rows, banned_ids = [], []
-        for i, s in zip(rows.tolist(), slots.tolist()):
-            words, history = self._bad[s], self._history[s]
-            if words is None or history is None:
-                continue
-            for prefix, last in words:
-                k = len(prefix)
-                if len(history) >= k and tuple(history[len(history) - k:]) == prefix:
-                    banned_rows.append(i)
-                    banned_ids.append(last)
-        if banned_rows:
-            logits[torch.tensor(banned_rows, device=self.device),
-                   torch.tensor(banned_ids, device=self.device)] = _NEG_INF
-
-    def _apply_grammar(self, logits: torch.Tensor, rows: np.ndarray, slots: np.ndarray) -> None:
-        use = [(i, self._matchers[s]) for i, s in zip(rows.tolist(), slots.tolist())
+    def _apply_grammar(self, logits: torch.Tensor, rows: np.ndarray, slots: np.ndarray,
+                       before_min: torch.Tensor | None) -> None:
+        use = [(i, s) for i, s in zip(rows.tolist(), slots.tolist())
                if self._matchers[s] is not None]
         if not use:
             return
-        if self._bitmask is None or self._bitmask.shape[0] < len(use):
-            self._bitmask = allocate_bitmask(max(len(use), self._cap), self.vocab_size)
-        for k, (_, matcher) in enumerate(use):
-            matcher.fill(self._bitmask, k)   # type: ignore[union-attr]
         r = torch.tensor([i for i, _ in use], device=self.device)
         sub = logits[r]
-        apply_bitmask(sub, self._bitmask[:len(use)])
+        self._bitmask.apply(sub, [self._matchers[s] for _, s in use])   # type: ignore[misc]
+        if before_min is not None:
+            # NOTE: a complete grammar allows only its stop tokens, which min_tokens may have
+            # banned: the grammar wins (its stop ids get their logits back, the sample ends
+            # valid instead of argmaxing an all -inf row)
+            for k in torch.isinf(sub).all(dim=-1).nonzero().flatten().tolist():
+                stops = self._stops[use[k][1]]
+                if stops is not None and len(stops):
+                    ids = torch.from_numpy(stops).to(self.device)
+                    row = sub[k:k + 1]
+                    row[0, ids] = before_min[use[k][0], ids]
+                    self._bitmask.reapply(row, k)   # only the grammar's stops
         logits[r] = sub
 
     def accept(self, seq_ids: np.ndarray, tokens: np.ndarray) -> list[int]:

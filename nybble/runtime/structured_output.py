@@ -99,16 +99,34 @@ class GrammarMatcher:
         return bool(self._m.accept_token(token_id)) and not self._m.is_terminated()
 
 
-def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
-    """An int32 ``[rows, ceil(vocab_size / 32)]`` bitmask on the CPU (xgrammar's layout)."""
-    import xgrammar as xgr
+class GrammarBitmask:
+    """xgrammar's int32 token bitmask (``[rows, ceil(vocab / 32)]``, on the CPU) for the rows
+    of a step that follow a grammar; the buffer is kept from step to step.
 
-    return xgr.allocate_token_bitmask(rows, vocab_size)
+    Args:
+        vocab_size: the width of the logits.
+    """
 
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self._bitmask: torch.Tensor | None = None
 
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """Set ``logits[i, t] = -inf`` where bit ``t`` of ``bitmask[i]`` is clear, in place
-    (xgrammar's kernel for the logits' device)."""
-    import xgrammar as xgr
+    def apply(self, logits: torch.Tensor, matchers: list[GrammarMatcher]) -> None:
+        """Set ``logits[k, t] = -inf`` (``[k, vocab]``, in place, on its device) for every
+        token ``t`` that ``matchers[k]`` does not allow next."""
+        import xgrammar as xgr
 
-    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True))
+        if self._bitmask is None or self._bitmask.shape[0] < len(matchers):
+            self._bitmask = xgr.allocate_token_bitmask(max(len(matchers), 8), self.vocab_size)
+        for k, matcher in enumerate(matchers):
+            matcher.fill(self._bitmask, k)
+        self.reapply(logits, 0)
+
+    def reapply(self, logits: torch.Tensor, first: int) -> None:
+        """Mask ``logits`` (``[k, vocab]``) again by the rows ``first .. first + k - 1`` of
+        the bitmask the last :meth:`apply` filled."""
+        import xgrammar as xgr
+
+        assert self._bitmask is not None, "apply() fills the bitmask first"
+        mask = self._bitmask[first:first + logits.shape[0]]
+        xgr.apply_token_bitmask_inplace(logits, mask.to(logits.device, non_blocking=True))

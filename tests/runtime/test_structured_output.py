@@ -91,6 +91,19 @@ def test_grammar_ends_the_sequence_even_with_ignore_eos(llm: LLM) -> None:
     assert len(out.token_ids) < 10
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_grammar_complete_before_min_tokens_ends_with_eos(llm: LLM, temperature: float) -> None:
+    """min_tokens would ban the only tokens a complete grammar allows (EOS ids): the grammar
+    wins and the sample ends with an EOS id, not with whatever id an all ``-inf`` row argmaxes
+    to (0, before)."""
+    p = SamplingParams(temperature=temperature, seed=1, max_tokens=40, min_tokens=20,
+                       guided_decoding=GuidedDecodingParams(choice=["yes", "no"]))
+    out = llm.generate(["The dog"], p, use_tqdm=False)[0].outputs[0]
+    assert out.text in ("yes", "no") and out.finish_reason == "stop"
+    eos = llm.llm_engine.input_processor.eos_token_ids
+    assert out.token_ids[-1] in eos and len(out.token_ids) < 10 and 0 not in out.token_ids
+
+
 def test_a_constrained_request_beside_free_ones(llm: LLM) -> None:
     """Rows without a grammar are not masked: their greedy text is the unconstrained one."""
     free = SamplingParams(temperature=0.0, max_tokens=30)
