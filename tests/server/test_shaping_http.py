@@ -150,3 +150,16 @@ def test_the_api_process_stays_free_of_torch_and_xgrammar(server: Server) -> Non
     maps = _maps(server.pid)
     assert "libtorch" not in maps and "xgrammar" not in maps
     assert "xgrammar" in _maps(core_pid(server.pid))   # the check sees it where it is
+
+
+def test_a_streamed_request_whose_grammar_does_not_compile_gets_an_in_band_error(
+        server: Server) -> None:
+    """The gate passes a look-ahead (Python's ``re`` takes it); xgrammar refuses it in the
+    core after the stream's headers went out: the error comes in-band, naming the field."""
+    body = {**COMPLETION, "max_tokens": 8, "stream": True, "guided_regex": "(?=a)b"}
+    with server.http() as c, c.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        events = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    assert events[-1]["error"]["param"] == "guided_regex", events
+    assert server.wait_idle()["num_free_blocks"] > 0
