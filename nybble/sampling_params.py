@@ -32,6 +32,31 @@ def sample_seed(seed: int, index: int) -> int:
 
 
 @dataclass
+class GuidedDecodingParams:
+    """Structured output: the one constraint a request's output must follow (vLLM's names).
+
+    Exactly one field is set (the request gate checks it).
+
+    Args:
+        json: a JSON schema (as JSON text or a dict; the gate stores it as text).
+        regex: a regular expression the whole output matches.
+        choice: the output is exactly one of these strings.
+        json_object: any JSON object (OpenAI's ``response_format: {"type": "json_object"}``).
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    json_object: bool = False
+
+    def kind(self) -> list[str]:
+        """The names of the fields that are set."""
+        return [k for k, v in (("json", self.json), ("regex", self.regex),
+                               ("choice", self.choice), ("json_object", self.json_object))
+                if v is not None and v is not False]
+
+
+@dataclass
 class SamplingParams:
     """How to sample one request's continuation (vLLM-compatible names).
 
@@ -75,6 +100,22 @@ class SamplingParams:
             ``False`` (stop when the best live beam cannot beat them, scored at the current
             length) or ``"never"`` (the same, scored at ``max_tokens`` when
             ``length_penalty > 0``); transformers' semantics.
+        logit_bias: ``{token id: bias}`` added to the logits before sampling (OpenAI's
+            semantics); ids of the vocabulary, biases in ``[-100, 100]``.
+        min_tokens: the first ``min_tokens`` generated tokens cannot be EOS, a
+            ``stop_token_ids`` id, or end a stop string; ``0 <= min_tokens <= max_tokens``.
+        repetition_penalty: divides the positive logits (multiplies the negative ones) of
+            every token seen in the prompt or the output (Keskar et al. 2019, as
+            transformers and vLLM apply it); ``> 0``, ``1`` disables.
+        presence_penalty: subtracted once from the logit of every token already generated
+            (OpenAI); ``[-2, 2]``.
+        frequency_penalty: subtracted from a token's logit once per time it was generated
+            (OpenAI); ``[-2, 2]``.
+        bad_words: words never generated: each is tokenized with and without a leading
+            space, and its last token is banned whenever the output ends with the others
+            (vLLM's rule). Non-empty strings.
+        allowed_token_ids: only these ids can be sampled; ids of the vocabulary, non-empty.
+        guided_decoding: structured output (a grammar the output must follow), or ``None``.
     """
 
     n: int = 1
@@ -93,6 +134,14 @@ class SamplingParams:
     beam_width: int | None = None
     length_penalty: float = 1.0
     early_stopping: bool | str = False
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    guided_decoding: GuidedDecodingParams | None = None
     stop_list: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -105,6 +154,18 @@ class SamplingParams:
             self.top_k = -1
         if type(self.seed) is int and self.seed == NO_SEED:
             self.seed = None
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a repetition, presence or frequency penalty is in use."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+    @property
+    def shaped(self) -> bool:
+        """Whether any logit shaping applies (the runner then keeps a shaping row)."""
+        return bool(self.logit_bias or self.min_tokens or self.penalized or self.bad_words
+                    or self.allowed_token_ids or self.guided_decoding is not None)
 
     @property
     def greedy(self) -> bool:

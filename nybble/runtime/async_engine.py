@@ -30,6 +30,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable
+from functools import partial
 from typing import Any
 
 from nybble.errors import InvalidRequestError, NybbleError
@@ -338,7 +339,11 @@ class AsyncEngine:
                 else:
                     future.set_result(msg.result)
         elif isinstance(msg, RequestsFailed):
-            self._fail(msg.request_ids, EngineRequestError, msg.message)
+            if msg.param is not None:   # NOTE: the core refused the request: a 400
+                self._fail(msg.request_ids, partial(InvalidRequestError, param=msg.param),
+                           msg.message)
+            else:
+                self._fail(msg.request_ids, EngineRequestError, msg.message)
         elif isinstance(msg, EngineCoreFatal):
             logger.error("the engine core can no longer step: %s", msg.message)
             self._mark_dead(f"the engine can no longer step: {msg.message}")
@@ -384,7 +389,8 @@ class AsyncEngine:
         stream.last_token_time = now
 
     # ---- failures --------------------------------------------------------------------------
-    def _fail(self, request_ids: Iterable[str], error: type[NybbleError], message: str) -> None:
+    def _fail(self, request_ids: Iterable[str], error: Callable[[str], NybbleError],
+              message: str) -> None:
         """End ``request_ids`` with a fresh ``error(message)`` each (one clean error per
         request, no shared traceback)."""
         failed = 0

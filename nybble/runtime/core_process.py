@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import zmq
 
 from nybble.config import has_tokenizer_file
-from nybble.errors import EngineStepError, NybbleError
+from nybble.errors import EngineStepError, InvalidRequestError, NybbleError
 from nybble.runtime.messages import (
     Codec,
     CoreInputs,
@@ -151,6 +151,8 @@ class CoreProc:
             for request in msg.adds:
                 try:
                     self.core.add_request(request)
+                except InvalidRequestError as e:  # NOTE: a grammar that does not compile
+                    self.send(RequestsFailed([request.request_id], str(e), param=e.param))
                 except Exception as e:  # NOTE: the gate checked it: a bug; fail it
                     logger.exception("add_request(%s) failed", request.request_id)
                     self.send(RequestsFailed([request.request_id], _one_line(e)))

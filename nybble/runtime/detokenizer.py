@@ -7,8 +7,10 @@ keeps sentencepiece's leading spaces (a lone ``▁Once`` decodes to ``Once``, bu
 it is `` Once``); a token that ends inside a multi-byte UTF-8 character (byte-fallback
 tokens) yields nothing until the character completes, so no piece holds half a character.
 
-Stop strings: the last ``max(len(stop)) - 1`` characters are held back while running, so
-streamed pieces never contain text that a stop string later removes; the concatenation of all
+Stop strings: none ends the text before the sample has more than ``min_tokens`` tokens (a stop
+string completed by one of the first ``min_tokens`` tokens is not a stop; vLLM's rule, the
+same bound as for stop token ids). The last ``max(len(stop)) - 1`` characters are held back
+while running, so streamed pieces never contain text that a stop string later removes; the concatenation of all
 deltas equals the final text.
 """
 from __future__ import annotations
@@ -28,10 +30,11 @@ class IncrementalDetokenizer:
         prompt_ids: the prompt's token ids (context for the first output token's spacing).
         stop: stop strings (excluded from the text).
         skip_special_tokens: drop special tokens (BOS/EOS...) from the text.
+        min_tokens: stop strings are matched only from output token ``min_tokens + 1`` on.
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], stop: list[str],
-                 skip_special_tokens: bool = True) -> None:
+                 skip_special_tokens: bool = True, min_tokens: int = 0) -> None:
         self._stream = tokenizer.text_stream(prompt_ids[-_PROMPT_CONTEXT_TOKENS:],
                                              skip_special_tokens)
         self.stop = stop
@@ -39,18 +42,21 @@ class IncrementalDetokenizer:
         self.text = ""  # all decoded output text (may include held-back characters)
         self.emitted = 0  # characters of self.text already returned as deltas
         self.stop_reason: str | None = None
+        self.min_tokens = min_tokens
+        self.num_tokens = 0  # output tokens added
 
     def add_token(self, token_id: int) -> None:
         """Append one generated token; sets :attr:`stop_reason` if a stop string appears
         (tokens after that are ignored)."""
         if self.stop_reason is not None:
             return
+        self.num_tokens += 1
         new = self._stream.step(token_id)
         if not new:
             return  # nothing new, or an incomplete UTF-8 character: wait for more tokens
         start = max(len(self.text) - self.hold, 0)
         self.text += new
-        if self.stop:
+        if self.stop and self.num_tokens > self.min_tokens:
             self._match_stop(start)
 
     def _match_stop(self, start: int) -> None:

@@ -31,6 +31,7 @@ from nybble.runtime.messages import (
 from nybble.runtime.model_runner import ModelRunner
 from nybble.runtime.scheduler import Scheduler
 from nybble.runtime.sequence import FinishReason
+from nybble.runtime.structured_output import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +80,7 @@ class EngineCore:
         self.kv_spec = plan_kv_cache(config.cache_config, self.loaded.shape, self.loaded.dtype,
                                      self.device)
         self.runner = ModelRunner(self.loaded, self.kv_spec, self.device, config)
+        self.grammars = GrammarCompiler(mc.tokenizer_folder, vocab, self.loaded.eos_token_ids)
         sc = config.scheduler_config
         self.max_model_len = self.loaded.max_model_len
         self.scheduler = Scheduler(self.kv_spec.num_blocks, self.kv_spec.block_size,
@@ -136,12 +138,15 @@ class EngineCore:
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a validated request; all or nothing (a failure leaves no trace).
 
-        Every conversion that can fail happens before any state changes; the two stateful
-        parts (sampling rows, then the scheduler) are undone if the second one raises.
+        Every conversion that can fail (a structured-output grammar is compiled here)
+        happens before any state changes; the two stateful parts (sampling rows, then the
+        scheduler) are undone if the second one raises.
 
         Raises:
             ValueError: the id is already in the core, or a value the gate should have
                 refused (a bug upstream); nothing is queued then.
+            InvalidRequestError: the grammar engine cannot compile the request's
+                structured-output constraint.
         """
         rid, n = request.request_id, request.params.n
         if rid in self._requests or rid in self.beams.requests:
@@ -151,9 +156,12 @@ class EngineCore:
             return
         prompt = np.asarray(request.prompt_token_ids, dtype=np.int32)
         stops = np.asarray(request.stop_token_ids, dtype=np.int32)
+        guided = request.params.guided_decoding
+        matchers = None if guided is None else \
+            self.grammars.matchers(self.grammars.compile(guided), n)
         seq_id = self._next_seq_id
         try:
-            self.runner.add_request(seq_id, request.params)
+            self.runner.add_request(seq_id, request, matchers)
             self.scheduler.add(seq_id, prompt, request.max_tokens, stops, n)
         except BaseException:
             self.runner.remove_sequences(range(seq_id, seq_id + n))
@@ -269,6 +277,8 @@ class EngineCore:
             tokens, beam_rows = self.beams.before_update(batch.sample_seq_ids, result)
         seq_ids, tokens, finish = self.scheduler.update(batch, tokens)
         self._pending = None
+        if result.grammar_ended:
+            self._end_grammars(result.grammar_ended, seq_ids, finish)
         if beam_rows is not None:   # NOTE: beams report only when their search ends
             keep = ~beam_rows
             seq_ids, tokens, finish = seq_ids[keep], tokens[keep], finish[keep]
@@ -293,6 +303,14 @@ class EngineCore:
             self.beams.freed = []
         self._note_live_tokens()
         return outputs
+
+    def _end_grammars(self, ended: list[int], seq_ids: np.ndarray, finish: np.ndarray) -> None:
+        """Finish (``STOPPED``) the still-running sequences whose grammar ended this step."""
+        for sid in ended:
+            row = np.flatnonzero(seq_ids == sid)
+            if len(row) and finish[row[0]] == FinishReason.NONE:
+                self.scheduler.finish(sid, int(FinishReason.STOPPED))
+                finish[row[0]] = int(FinishReason.STOPPED)
 
     def _note_scheduled(self, seq_ids: np.ndarray, outputs: EngineCoreOutputs) -> None:
         self._num_steps += 1

@@ -9,7 +9,8 @@ into greedy sampling, and checks, in order:
 
 1. every sampling range (``n``, ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``,
    ``max_tokens``, ``logprobs`` against ``max_logprobs`` and the vocabulary, ``stop``,
-   ``stop_token_ids`` in the vocabulary; the table is in docs/serving.md);
+   ``stop_token_ids`` in the vocabulary; the table is in docs/serving.md), and the logit
+   shaping and structured-output parameters (:mod:`nybble.runtime.shaping_checks`);
 2. the prompt: non-empty, every id in the vocabulary;
 3. prompt + ``max_tokens`` within ``max_model_len`` (one message, naming both numbers);
 4. ``n`` (or the beam width) within ``max_num_seqs`` (the samples of a request run in one
@@ -35,6 +36,7 @@ from dataclasses import dataclass
 
 from nybble.errors import InvalidRequestError, KVCacheExhaustedError
 from nybble.runtime.messages import EngineCoreRequest, RequestLimits
+from nybble.runtime.shaping_checks import bad_words_token_ids, check_guided, check_shaping
 from nybble.runtime.tokenizer import Tokenizer
 from nybble.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, num_candidates
 
@@ -63,6 +65,12 @@ class ParamNames:
 
 DEFAULT_NAMES = ParamNames()
 """vLLM's and the completions API's names."""
+
+
+_BEAM_NEUTRAL = (("logit_bias", None), ("min_tokens", 0), ("repetition_penalty", 1.0),
+                 ("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("bad_words", None),
+                 ("allowed_token_ids", None), ("guided_decoding", None))
+"""Logit-shaping parameters beam search does not apply, with their neutral values."""
 
 
 def _fail(name: str, allowed: str, value: object) -> InvalidRequestError:
@@ -120,13 +128,21 @@ class InputProcessor:
         stop_ids = list(params.stop_token_ids or [])
         if not params.ignore_eos:
             stop_ids += [t for t in self.eos_token_ids if t not in stop_ids]
+        if params.min_tokens > max_tokens:
+            raise InvalidRequestError(f"min_tokens must be <= {names.max_tokens} "
+                                      f"({max_tokens}), got {params.min_tokens}",
+                                      param="min_tokens")
         changes: dict[str, object] = {"max_tokens": max_tokens}
         if params.temperature > 0 and params.top_p < FLOAT32_TINY:
             changes["temperature"] = 0.0  # NOTE: it would round to 0 in the sampler
+        if params.guided_decoding is not None:
+            changes["guided_decoding"] = check_guided(params.guided_decoding)
+        bad_words = bad_words_token_ids(self.tokenizer, params.bad_words or [])
         return EngineCoreRequest(
             request_id=request_id, prompt_token_ids=ids,
             params=dataclasses.replace(params, **changes), stop_token_ids=stop_ids,
-            arrival_time=arrival_time if arrival_time is not None else time.monotonic())
+            arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+            bad_words_token_ids=bad_words)
 
     def check_token_ids(self, ids: Sequence[int], param: str, allow_empty: bool = False) -> None:
         """Reject an empty list (unless ``allow_empty``) or ids outside the vocabulary.
@@ -174,6 +190,7 @@ class InputProcessor:
         if any(not isinstance(s, str) or not s for s in p.stop_list):
             raise _fail("stop", "non-empty strings", p.stop)
         self.check_token_ids(p.stop_token_ids or [], "stop_token_ids", allow_empty=True)
+        check_shaping(p, self.limits.vocab_size)
 
     def _check_beam(self, p: SamplingParams, names: ParamNames) -> None:
         """The beam-search parameters (see the module docstring)."""
@@ -201,6 +218,11 @@ class InputProcessor:
         if p.stop_list:
             raise _fail("stop", "unset with use_beam_search (stop strings are not "
                         "supported; stop_token_ids are)", p.stop)
+        for name, neutral in _BEAM_NEUTRAL:   # NOTE: beams rank raw logprobs, unshaped
+            value = getattr(p, name)
+            if value is not None and value != neutral and value not in ({}, []):
+                raise _fail(name, f"unset with use_beam_search (not supported), or {neutral!r}",
+                            value)
         if not _is_real(p.length_penalty) or not abs(p.length_penalty) <= FLOAT32_MAX:
             raise _fail("length_penalty", "a finite number", p.length_penalty)
         if not any(p.early_stopping is v for v in (True, False)) and p.early_stopping != "never":

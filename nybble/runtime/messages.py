@@ -88,6 +88,8 @@ class EngineCoreRequest(msgspec.Struct, frozen=True):
             ``stop_token_ids`` plus the model's EOS ids unless ``ignore_eos``.
         arrival_time: ``time.monotonic()`` when the request arrived (seconds; the clock is
             shared by the processes of one machine).
+        bad_words_token_ids: ``params.bad_words`` tokenized by the gate (each word with and
+            without a leading space; vLLM's rule); empty when there are none.
     """
 
     request_id: str
@@ -95,6 +97,7 @@ class EngineCoreRequest(msgspec.Struct, frozen=True):
     params: SamplingParams
     stop_token_ids: list[int]
     arrival_time: float
+    bad_words_token_ids: list[list[int]] = msgspec.field(default_factory=list)
 
     @property
     def max_tokens(self) -> int:
@@ -215,10 +218,16 @@ class UtilityResult(msgspec.Struct, tag=True):
 class RequestsFailed(msgspec.Struct, tag=True):
     """Requests the core dropped after an error (they got no more tokens): the requests of a
     failed step's batch, a request whose admission failed, or every request left when the
-    core gives up."""
+    core gives up.
+
+    Attributes:
+        param: set when the core refused the request itself (its structured-output grammar
+            does not compile): the parameter to name in a 400.
+    """
 
     request_ids: list[str]
     message: str
+    param: str | None = None
 
 
 class EngineCoreFatal(msgspec.Struct, tag=True):

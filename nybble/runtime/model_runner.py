@@ -8,7 +8,9 @@ all-greedy batch costs one argmax. On CUDA, decode steps replay CUDA graphs
 dense segments (:meth:`LlamaForCausalLM.compile_segments`).
 The runner owns everything torch-side of a step: the model, the KV caches, and the sampling
 state of every live sequence (a :class:`SamplingTable`: rows added when the engine core admits
-a request, dropped when a sequence finishes). Results leave as numpy arrays.
+a request, dropped when a sequence finishes; a :class:`LogitShaping` row for the sequences that
+use logit bias, penalties, min_tokens, bad words, allowed ids or a grammar). Results leave as
+numpy arrays.
 """
 from __future__ import annotations
 
@@ -25,10 +27,12 @@ from nybble.runtime.batch import ScheduledBatch
 from nybble.runtime.cuda_graphs import DecodeGraphs, capture_sizes
 from nybble.runtime.host_memory import retain_freed_memory
 from nybble.runtime.kv_cache import KVCacheSpec, allocate_kv_cache
+from nybble.runtime.logit_shaping import LogitShaping
+from nybble.runtime.messages import EngineCoreRequest
 from nybble.runtime.sampler import sample
 from nybble.runtime.sampling_table import SamplingTable
 from nybble.runtime.step_inputs import StepInputs
-from nybble.sampling_params import SamplingParams
+from nybble.runtime.structured_output import GrammarMatcher
 
 
 @dataclass(slots=True)
@@ -41,12 +45,15 @@ class ModelRunnerOutput:
             or ``None`` when no row asked for logprobs.
         top_token_ids, top_logprobs: ``int64[S, k]`` / ``float32[S, k]``, the ``k`` most
             likely ids of each row (``k``: the largest ``logprobs`` asked for), or ``None``.
+        grammar_ended: sequence ids whose grammar ended with this step's token (structured
+            output): the engine core finishes them.
     """
 
     token_ids: np.ndarray
     logprobs: np.ndarray | None
     top_token_ids: np.ndarray | None
     top_logprobs: np.ndarray | None
+    grammar_ended: list[int]
 
     def select(self, keep: np.ndarray) -> ModelRunnerOutput:
         """The rows where ``keep`` (``bool[S]``) is true."""
@@ -80,6 +87,7 @@ class ModelRunner:
         self.kv_caches = allocate_kv_cache(spec, device)
         self.generator = torch.Generator(device=device).manual_seed(config.model_config.seed)
         self.sampling = SamplingTable(loaded.shape.vocab_size, device)
+        self.shaping = LogitShaping(loaded.shape.vocab_size, device)
         sc, cc = config.scheduler_config, config.compilation_config
         self.inputs = StepInputs(device, sc.max_num_batched_tokens, sc.max_num_seqs,
                                  -(-loaded.max_model_len // spec.block_size))
@@ -95,13 +103,23 @@ class ModelRunner:
                 self.model, self.kv_caches, capture_sizes(sc.max_num_seqs, cc.cuda_graph_sizes),
                 self.inputs, loaded.max_model_len, capture=True)
 
-    def add_request(self, first_seq_id: int, params: SamplingParams) -> None:
-        """Add the sampling rows of a request's ``params.n`` sequences (at admission)."""
-        self.sampling.add(first_seq_id, params)
+    def add_request(self, first_seq_id: int, request: EngineCoreRequest,
+                    matchers: list[GrammarMatcher] | None = None) -> None:
+        """Add the sampling rows (and logit-shaping rows, if it shapes) of a request's
+        ``n`` sequences at admission; ``matchers``: one per sample for structured output.
+        All or nothing."""
+        self.sampling.add(first_seq_id, request.params)
+        try:
+            self.shaping.add(first_seq_id, request, matchers)
+        except BaseException:
+            self.sampling.remove(range(first_seq_id, first_seq_id + request.params.n))
+            raise
 
     def remove_sequences(self, seq_ids: Iterable[int]) -> None:
-        """Drop the sampling rows of finished or aborted sequences."""
+        """Drop the sampling and shaping rows of finished or aborted sequences."""
+        seq_ids = list(seq_ids)
         self.sampling.remove(seq_ids)
+        self.shaping.remove(seq_ids)
 
     def _copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
         """Copy-on-write: duplicate KV blocks ``src[i] -> dst[i]`` in every layer."""
@@ -150,8 +168,12 @@ class ModelRunner:
             input_ids, positions, meta = self.prepare(batch)
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
         logits = self.model.compute_logits(self._sampled_hidden(hidden, batch))
-        out = sample(logits, self.sampling.batch(batch.sample_seq_ids), self.generator)
+        seq_ids = batch.sample_seq_ids
+        shaped = self.shaping.apply(logits, seq_ids) if len(self.shaping) else logits
+        out = sample(shaped, self.sampling.batch(seq_ids), self.generator,
+                     raw_logits=None if shaped is logits else logits)
+        token_ids = _host(out.token_ids).astype(np.int32)
+        ended = self.shaping.accept(seq_ids, token_ids) if len(self.shaping) else []
         return ModelRunnerOutput(
-            token_ids=_host(out.token_ids).astype(np.int32),
-            logprobs=_host(out.logprobs), top_token_ids=_host(out.top_ids),
-            top_logprobs=_host(out.top_logprobs))
+            token_ids=token_ids, logprobs=_host(out.logprobs), top_token_ids=_host(out.top_ids),
+            top_logprobs=_host(out.top_logprobs), grammar_ended=ended)

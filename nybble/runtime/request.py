@@ -60,7 +60,8 @@ class Request:
         samples = [Sample(output=CompletionOutput(index=i, logprobs=[] if params.logprobs
                                                   is not None else None),
                           detok=IncrementalDetokenizer(tokenizer, prompt_ids, params.stop_list,
-                                                       params.skip_special_tokens))
+                                                       params.skip_special_tokens,
+                                                       params.min_tokens))
                    for i in range(params.n)]
         return cls(request_id, prompt, prompt_ids, params, samples,
                    RequestMetrics(arrival_time=arrival_time))

@@ -100,7 +100,8 @@ def _filter(logits: torch.Tensor, params: SamplingBatch) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, params: SamplingBatch,
-           default_generator: torch.Generator | None) -> SamplerOutput:
+           default_generator: torch.Generator | None,
+           raw_logits: torch.Tensor | None = None) -> SamplerOutput:
     """Sample one token per row.
 
     An all-greedy batch costs one argmax (plus the log-softmax only when a row asks for
@@ -110,6 +111,8 @@ def sample(logits: torch.Tensor, params: SamplingBatch,
         logits: ``[S, vocab]`` raw model logits (any float dtype; computed in float32).
         params: per-row parameters.
         default_generator: generator for rows without their own seed.
+        raw_logits: the model's logits before logit shaping, when ``logits`` are shaped:
+            logprobs are reported under these (vLLM's default, raw logprobs).
 
     Returns:
         :class:`SamplerOutput`.
@@ -135,7 +138,7 @@ def sample(logits: torch.Tensor, params: SamplingBatch,
         token_ids[random_rows] = (probs / noise).argmax(dim=-1)
     if params.max_logprobs < 0:
         return SamplerOutput(token_ids, None, None, None)
-    logprobs = logits.log_softmax(dim=-1)
+    logprobs = (logits if raw_logits is None else raw_logits.float()).log_softmax(dim=-1)
     chosen = logprobs.gather(-1, token_ids[:, None])[:, 0]
     top_ids = top_lp = None
     if params.max_logprobs > 0:

@@ -4,11 +4,10 @@ Requests carry types and shapes only: every value range (temperature, ``max_toke
 the context, ``logprobs``, ``seed``, token ids...) is checked once, by the engine's request
 gate (:mod:`nybble.runtime.input_processor`; ``InvalidRequestError`` -> 400). Unknown request
 fields are ignored, as OpenAI clients send fields nybble does not use (``user``,
-``metadata``, ...); the fields nybble does not implement (penalties, ``logit_bias``,
-``best_of`` other than ``n``, ``suffix``, ``tools``, non-text ``response_format``, ``echo`` with
-``logprobs``, content parts other than ``text``) are declared, and the validators below refuse
-a non-neutral value with a 400 naming the field instead of silently ignoring it: this is the
-one place such refusals live.
+``metadata``, ...); the fields nybble does not implement (``best_of`` other than ``n``,
+``suffix``, ``tools``, ``echo`` with ``logprobs``, content parts other than ``text``) are
+declared, and the validators below refuse a non-neutral value with a 400 naming the field
+instead of silently ignoring it: this is the one place such refusals live.
 
 Every model here derives from :class:`RequestModel` (``request_base.py``): strict types,
 ``null`` = omitted, nullable optional fields in the schema, valid Unicode only.
@@ -56,13 +55,21 @@ class _SamplingFields(RequestBody):
     stream: bool = False
     stream_options: StreamOptions | None = None    # NOTE: after stream (its validator)
     user: str | None = None
-    # Not implemented: only their neutral values are accepted (the validators below).
+    # Logit shaping (OpenAI + vLLM names; ranges checked by the request gate).
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    best_of: int | None = None
+    min_tokens: int = 0
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    # Structured output: OpenAI's response_format, vLLM's guided_* extras.
     response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    # Not implemented: only their neutral values are accepted (the validators below).
+    best_of: int | None = None
     tools: list[dict[str, Any]] | None = None
     suffix: str | None = None
 
@@ -83,16 +90,7 @@ class _SamplingFields(RequestBody):
                              f"{len(value)}")
         return value
 
-    @field_validator("presence_penalty", "frequency_penalty", "repetition_penalty")
-    @classmethod
-    def _neutral_penalty(cls, value: float | None, info: ValidationInfo) -> float | None:
-        neutral = 1.0 if info.field_name == "repetition_penalty" else 0.0
-        if value is not None and value != neutral:
-            raise ValueError(f"{info.field_name} is not supported by nybble: it must be "
-                             f"{neutral} or absent, got {value}")
-        return value
-
-    @field_validator("logit_bias", "tools", "suffix")
+    @field_validator("tools", "suffix")
     @classmethod
     def _empty(cls, value: Any, info: ValidationInfo) -> Any:
         if value:
@@ -112,11 +110,22 @@ class _SamplingFields(RequestBody):
 
     @field_validator("response_format")
     @classmethod
-    def _text_format(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value and value.get("type", "text") != "text":
-            raise ValueError(f"response_format must be {{'type': 'text'}} or absent (nybble "
-                             f"has no guided decoding), got {value}")
+    def _known_format(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        kind = value.get("type", "text") if value else "text"
+        if kind not in RESPONSE_FORMATS:
+            raise ValueError(f"response_format type must be one of {list(RESPONSE_FORMATS)}, "
+                             f"got {kind!r}")
+        if kind == "json_schema":
+            spec = value.get("json_schema") if value else None
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError("response_format json_schema must be an object with a "
+                                 "'schema' object, got " + repr(spec)[:200])
         return value
+
+
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+"""The ``response_format`` types the server accepts (OpenAI's)."""
 
 
 def _prompt_kind(value: Any) -> str:

@@ -29,6 +29,7 @@ from nybble.runtime.messages import EngineCoreRequest
 from nybble.sampling_params import SamplingParams
 from nybble.server.protocol import ChatMessage, _SamplingFields
 from nybble.server.responses import UsageInfo
+from nybble.server.sampling_fields import guided_decoding, logit_bias
 from nybble.server.state import ServerState, run_blocking
 from nybble.server.streams import (
     CLIENT_CLOSED,
@@ -57,6 +58,10 @@ def sampling_params(req: _SamplingFields, max_tokens: int | None,
     """The request's fields as :class:`SamplingParams` (OpenAI defaults for ``None``).
 
     No value is checked here: the engine's request gate checks every range.
+
+    Raises:
+        InvalidRequestError: a ``logit_bias`` key that is not a token id, or more than one
+            structured-output constraint.
     """
     return SamplingParams(
         n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
@@ -64,7 +69,15 @@ def sampling_params(req: _SamplingFields, max_tokens: int | None,
         top_k=-1 if req.top_k is None else req.top_k,
         min_p=0.0 if req.min_p is None else req.min_p, seed=req.seed, max_tokens=max_tokens,
         stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
-        logprobs=logprobs)
+        logprobs=logprobs, logit_bias=logit_bias(req), min_tokens=req.min_tokens,
+        repetition_penalty=_or(req.repetition_penalty, 1.0),
+        presence_penalty=_or(req.presence_penalty, 0.0),
+        frequency_penalty=_or(req.frequency_penalty, 0.0), bad_words=req.bad_words,
+        allowed_token_ids=req.allowed_token_ids, guided_decoding=guided_decoding(req))
+
+
+def _or(value: float | None, default: float) -> float:
+    return default if value is None else value
 
 
 def check_prompt_chars(state: ServerState, text: str, param: str) -> None:

@@ -16,7 +16,8 @@ def make_engine(**kw: Any) -> LLMEngine:
 
 
 def assert_idle_and_clean(engine: LLMEngine) -> None:
-    """Nothing runs or waits, every KV block is free (no reference left), no sampling row,
+    """Nothing runs or waits, every KV block is free (no reference left), no sampling or
+    logit-shaping row,
     no request on either side, and the load gauges read 0."""
     stats = engine.get_stats()
     assert stats.num_running == stats.num_waiting == 0
@@ -25,5 +26,6 @@ def assert_idle_and_clean(engine: LLMEngine) -> None:
     state = engine.scheduler.debug_state()
     assert int(np.count_nonzero(state["ref_counts"])) == 0 and not state["seqs"]
     assert len(engine.engine_core.runner.sampling) == 0, "sampling rows leaked"
+    assert len(engine.engine_core.runner.shaping) == 0, "logit-shaping rows leaked"
     assert not engine.engine_core.has_unfinished_requests()
     assert not engine.has_unfinished_requests() and not engine.requests

@@ -42,6 +42,13 @@ def beam(**kw) -> SamplingParams:
     (SamplingParams(early_stopping=True), "early_stopping", "unless use_beam_search"),
     (SamplingParams(beam_width=2), "beam_width", "unless use_beam_search"),
     (SamplingParams(use_beam_search=1), "use_beam_search", "true or false"),
+    (beam(logit_bias={5: 1.0}), "logit_bias", "logit_bias must be unset with use_beam_search"),
+    (beam(min_tokens=2), "min_tokens", "min_tokens must be unset with use_beam_search"),
+    (beam(repetition_penalty=1.2), "repetition_penalty", "unset with use_beam_search"),
+    (beam(presence_penalty=0.5), "presence_penalty", "unset with use_beam_search"),
+    (beam(frequency_penalty=0.5), "frequency_penalty", "unset with use_beam_search"),
+    (beam(bad_words=["dog"]), "bad_words", "unset with use_beam_search"),
+    (beam(allowed_token_ids=[5, 9]), "allowed_token_ids", "unset with use_beam_search"),
 ])
 def test_bad_beam_parameters_name_the_parameter(gate: InputProcessor, params: SamplingParams,
                                                 param: str, fragment: str) -> None:
