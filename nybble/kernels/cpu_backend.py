@@ -4,7 +4,9 @@ reference for everything else.
 A decode-only step in float32 runs :func:`nybble.kernels.cpu_attention.paged_decode_attention`,
 which reads each sequence's keys and values through its block table up to its own length: no
 gathered ``[B, S, Hkv, D]`` copy per layer, no padding to the longest sequence, no mask. Steps
-with prefill chunks, and other dtypes, take :func:`~nybble.kernels.reference_attention.paged_attention`.
+with prefill chunks, other dtypes and quantized (``int8`` / ``fp8_e4m3``) caches take
+:func:`~nybble.kernels.reference_attention.paged_attention`: the Cython kernel reads float32
+only, and a quantized cache on the CPU saves memory, not time.
 """
 from __future__ import annotations
 
@@ -67,18 +69,20 @@ class CpuAttentionBackend(TorchAttentionBackend):
         return plan
 
     def reshape_and_cache(self, key: torch.Tensor, value: torch.Tensor,
-                          kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+                          kv_cache: torch.Tensor, meta: AttentionMetadata,
+                          kv_scale: torch.Tensor | None = None) -> None:
         """See :func:`nybble.kernels.reference_attention.reshape_and_cache`."""
         if not self._uses_kernel(meta, kv_cache):
-            super().reshape_and_cache(key, value, kv_cache, meta)
+            super().reshape_and_cache(key, value, kv_cache, meta, kv_scale)
             return
         write_slots(key, value, kv_cache, meta.slot_mapping, self._kernel_plan(meta).write_rows)
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float,
+                kv_scale: torch.Tensor | None = None) -> torch.Tensor:
         """Causal paged attention, ``[T, Hq, D] -> [T, Hq, D]`` (see the protocol)."""
         if not self._uses_kernel(meta, kv_cache) or query.dtype != torch.float32:
-            return super().forward(query, kv_cache, meta, scale)
+            return super().forward(query, kv_cache, meta, scale, kv_scale)
         plan = self._kernel_plan(meta)
         num_tokens, num_heads, head_dim = query.shape
         need = num_heads * (meta.max_seq_len + head_dim + 1)
