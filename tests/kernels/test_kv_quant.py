@@ -7,6 +7,7 @@ the kernels' only allowed error is their arithmetic, not the quantization.
 """
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -124,21 +125,49 @@ def test_reference_needs_scales_for_a_quantized_cache():
 
 
 @pytest.mark.parametrize("qdtype", QDTYPES)
-def test_cpu_backend_falls_back_to_the_reference(qdtype):
-    """The Cython decode kernel reads float32 only: a quantized decode step takes the torch
-    reference and gives its result."""
+@pytest.mark.parametrize("block_size,hq,hkv,d", [(16, 4, 2, 8), (8, 6, 3, 64), (16, 8, 1, 20)])
+def test_cpu_decode_kernel_reads_through_the_scales(qdtype, block_size, hq, hkv, d):
+    """The Cython decode kernel on a quantized cache (its bytes, a byte table, per-head
+    scales) against the float64 oracle on the cache it represents."""
     from nybble.kernels.cpu_backend import CpuAttentionBackend, cpu_kernel_available
 
     if not cpu_kernel_available():
         pytest.skip("the CPU kernel extension is not built")
-    query, cache, kv_scale, meta = quantized_batch([(7, 1), (30, 1)], 16, 4, 2, 8, qdtype,
-                                                   torch.device("cpu"))
-    out = CpuAttentionBackend().forward(query, cache, meta, 0.3, kv_scale)
-    ref = TorchAttentionBackend().forward(query, cache, meta, 0.3, kv_scale)
-    assert torch.equal(out, ref)
+    query, cache, kv_scale, meta = quantized_batch(
+        [(0, 1), (6, 1), (block_size, 1), (3 * block_size + 4, 1)], block_size, hq, hkv, d,
+        qdtype, torch.device("cpu"))
+    backend = CpuAttentionBackend()
+    assert backend._uses_kernel(meta, cache)
+    out = backend.forward(query, cache, meta, d ** -0.5, kv_scale)
+    ref = oracle(query, represented(cache, kv_scale), meta, d ** -0.5)
+    assert rel_err(out, ref) < 1e-5
+    with pytest.raises(ValueError, match="kv_scale must be"):
+        backend.forward(query, cache, meta, d ** -0.5)
 
 
-# ---------------------------------------------------------------- Triton (interpreter on CPU)
+def test_cpu_decode_kernel_checks_its_byte_arguments():
+    from nybble.kernels.cpu_backend import cpu_kernel_available
+
+    if not cpu_kernel_available():
+        pytest.skip("the CPU kernel extension is not built")
+    from nybble.kernels.cpu_attention import paged_decode_attention
+
+    cache = np.zeros((2, 2, 16, 2, 8), np.uint8)
+    args = (np.zeros((1, 2, 8), np.float32), cache, np.zeros((1, 2), np.int32),
+            np.ones(1, np.int32), 0.3, np.zeros((1, 2, 8), np.float32),
+            np.zeros(64, np.float32))
+    with pytest.raises(ValueError, match=r"needs kv_scale \[2, 2\] float32"):
+        paged_decode_attention(*args)
+    with pytest.raises(ValueError, match=r"needs kv_scale"):
+        paged_decode_attention(*args, np.ones((2, 3), np.float32), np.zeros(256, np.float32))
+    with pytest.raises(ValueError, match=r"uint8 \(fp8\) kv_cache needs byte_values \[256\]"):
+        paged_decode_attention(*args, np.ones((2, 2), np.float32))
+    int8_args = (args[0], cache.view(np.int8)) + args[2:]
+    with pytest.raises(ValueError, match=r"needs kv_scale \[2, 2\] float32"):
+        paged_decode_attention(*int8_args)
+
+
+# ------------------------------------------------------------- Triton (interpreter on CPU)
 @pytest.mark.triton_interpret
 @pytest.mark.parametrize("qdtype", QDTYPES)
 @pytest.mark.parametrize("key_dtype", [torch.float32, torch.float16])
