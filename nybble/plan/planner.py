@@ -164,6 +164,7 @@ def _advice(plan: MemoryPlan, shape: ModelShape, tensors: dict[str, TensorInfo],
 def format_plan(plan: MemoryPlan, model: str) -> str:
     """The plan as the lines ``nybble plan`` prints."""
     req, gib, mib = plan.request, 2**30, 2**20
+    gain = kv_element_bytes("auto", req.dtype) / kv_element_bytes(req.kv_cache_dtype, req.dtype)
     lines = [
         f"model            {model}",
         f"GPU memory       {req.gpu_memory / gib:.2f} GiB"
@@ -172,7 +173,8 @@ def format_plan(plan: MemoryPlan, model: str) -> str:
         f"weights          {plan.weight_bytes} bytes ({plan.weight_bytes / gib:.3f} GiB, "
         f"floating tensors as {req.dtype})",
         f"KV cache dtype   {req.kv_cache_dtype}"
-        + (f" ({req.dtype})" if req.kv_cache_dtype == "auto" else " (per-head scales)"),
+        + (f" ({req.dtype})" if req.kv_cache_dtype == "auto" else
+           f" (per-head scales): {gain:.2f}x the tokens of a {req.dtype} cache"),
         f"KV per token     {plan.kv_bytes_per_token} bytes "
         f"({plan.kv_bytes_per_token / 1024:.1f} KiB)",
         f"KV budget        {plan.kv_budget} bytes ({plan.kv_budget / mib:.1f} MiB: 90% of the "

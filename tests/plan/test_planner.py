@@ -17,10 +17,9 @@ from nybble.plan.planner import PlanRequest, kv_layout, plan_memory
 from nybble.plan.weights import checkpoint_tensors, llama_gptq_tensors, weight_bytes
 from nybble.runtime.kv_cache import plan_kv_cache
 from nybble.runtime.kv_plan import blocks_in_budget
+from tests.conftest import shared_path
 from tests.runtime.engine_helpers import make_engine
 
-SHARED = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared")
-GPTQ = os.path.join(SHARED, "fixtures", "quant", "tiny-llama-gptq-4bit-g32")
 SHAPE = ModelShape.from_hf_config(load_hf_config(DEFAULT_MODEL))  # 5 layers, 4 KV heads of 8
 TENSORS = checkpoint_tensors(DEFAULT_MODEL)
 
@@ -67,13 +66,14 @@ def test_weight_bytes_equal_the_loaded_model() -> None:
 def test_weight_bytes_of_a_gptq_checkpoint_from_the_library() -> None:
     """Packed int32 tensors count as stored, floating ones at the serving dtype; the reference
     sums the tensors the safetensors library loads."""
-    path = os.path.join(GPTQ, "gptq_model-4bit-32g.safetensors")
+    gptq = shared_path("fixtures", "quant", "tiny-llama-gptq-4bit-g32")
+    path = os.path.join(gptq, "gptq_model-4bit-32g.safetensors")
     want = 0
     with safe_open(path, "pt") as f:
         for name in f.keys():
             t = f.get_tensor(name)
             want += t.numel() * (2 if t.is_floating_point() else t.element_size())
-    assert weight_bytes(checkpoint_tensors(GPTQ), "float16") == want
+    assert weight_bytes(checkpoint_tensors(gptq), "float16") == want
 
 
 def test_tensor_parallel_splits_kv_heads_and_matrices() -> None:
@@ -117,6 +117,11 @@ def test_cli_prints_the_plan(capsys: pytest.CaptureFixture[str]) -> None:
     assert f"KV pool          {blocks} blocks x 16 tokens = {blocks * 16} tokens" in out
     assert f"sequences        {blocks // 16} of 256 tokens fit at once" in out
     assert "longest context  512 tokens" in out and "nothing fits" not in out
+    assert main(["plan", DEFAULT_MODEL, "--gpu-memory", "64MiB", "--kv-cache-dtype", "int8",
+                 "--dtype", "bfloat16"]) == 0
+    out = capsys.readouterr().out
+    assert "KV cache dtype   int8 (per-head scales): 2.00x the tokens of a bfloat16 cache" in out
+    assert f"KV per token     {per_token // 2} bytes" in out
 
 
 def test_cli_says_what_to_change_when_nothing_fits(capsys: pytest.CaptureFixture[str]) -> None:

@@ -24,11 +24,9 @@ from nybble.runtime.kv_calibration import (
 )
 from nybble.runtime.llm import LLM
 from nybble.sampling_params import SamplingParams
+from tests.conftest import shared_path
 from tests.runtime.engine_helpers import assert_idle_and_clean, make_engine
 
-SHARED = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared")
-STORIES3M = os.path.join(SHARED, "models", "stories3m")
-HELDOUT = os.path.join(SHARED, "data", "stories-heldout.txt")
 BUDGET = 4 << 20
 
 
@@ -110,9 +108,9 @@ def test_held_out_perplexity_within_one_percent_of_the_fp32_cache() -> None:
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
     from kv_cache_ppl import kv_perplexities
 
-    with open(HELDOUT, encoding="utf-8") as f:
+    with open(shared_path("data", "stories-heldout.txt"), encoding="utf-8") as f:
         text = f.read()
-    rows = kv_perplexities(STORIES3M, text, ["auto", "int8", "fp8_e4m3"], max_paragraphs=30)
+    rows = kv_perplexities(shared_path("models", "stories3m"), text, ["auto", "int8", "fp8_e4m3"], max_paragraphs=30)
     base = rows[0]["perplexity"]
     assert 3.0 < base < 6.0  # the fp32 model is sane (stories3m scores ~4.4 on this text)
     for row in rows[1:]:
