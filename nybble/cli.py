@@ -21,6 +21,7 @@ _SUBCOMMANDS = {
     "quantize": ("nybble.quantize.cli", "quantize a model folder (RTN, GPTQ, AWQ)"),
     "eval-ppl": ("nybble.quantize.cli", "perplexity of a model on a text file"),
     "bench": ("nybble.bench.cli", "benchmark throughput or serving latency"),
+    "plan": ("nybble.plan.cli", "memory plan: weights, KV cache, sequences that fit on a GPU"),
 }
 
 

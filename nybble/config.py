@@ -23,6 +23,8 @@ DEFAULT_MODEL = os.path.join(os.path.dirname(__file__), "_bundled", "stories260k
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _ATTN_BACKENDS = ("auto", "cpu", "torch", "triton")
 _QUANT = (None, "awq", "gptq", "compressed-tensors")
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "int8")
+"""Allowed ``kv_cache_dtype`` values (vLLM's ``--kv-cache-dtype`` names)."""
 
 
 def _check(ok: bool, name: str, allowed: str, value: object) -> None:
@@ -202,12 +204,17 @@ class CacheConfig:
         enable_prefix_caching: reuse the KV of full blocks whose token prefix was computed
             before (automatic prefix caching, vLLM's ``--enable-prefix-caching``); off by
             default.
+        kv_cache_dtype: ``auto`` (the model's dtype), ``int8`` or ``fp8_e4m3``: one byte per
+            element with per-head scales calibrated at start-up, so a budget holds about
+            twice the tokens of a 16-bit cache (vLLM's ``--kv-cache-dtype``; see
+            docs/kv-cache.md).
     """
 
     block_size: int = 16
     num_gpu_blocks: int | None = None
     kv_cache_memory: int | None = None
     enable_prefix_caching: bool = False
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         _check(self.block_size in (8, 16, 32), "block_size", "8, 16 or 32", self.block_size)
@@ -215,6 +222,8 @@ class CacheConfig:
                "num_gpu_blocks", ">= 1", self.num_gpu_blocks)
         _check(self.kv_cache_memory is None or self.kv_cache_memory >= 1,
                "kv_cache_memory", ">= 1 byte", self.kv_cache_memory)
+        _check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
+               f"one of {', '.join(KV_CACHE_DTYPES)}", self.kv_cache_dtype)
 
 
 @dataclass(frozen=True)

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import argparse
 
-from nybble.config import DEFAULT_MODEL, EngineConfig
+from nybble.config import DEFAULT_MODEL, KV_CACHE_DTYPES, EngineConfig
 from nybble.threads import add_threads_arg
 
 
-def _parse_bytes(text: str) -> int:
+def parse_bytes(text: str) -> int:
     """``"512MiB"``, ``"2GiB"``, ``"1e9"`` or plain bytes -> int bytes."""
     units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6,
              "gb": 10**9, "b": 1}
@@ -58,9 +58,12 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
                         help="tokens per KV-cache block")
     parser.add_argument("--num-gpu-blocks", type=int, default=None,
                         help="number of KV-cache blocks (overrides --kv-cache-memory)")
-    parser.add_argument("--kv-cache-memory", type=_parse_bytes, default=None,
+    parser.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
                         help="KV-cache budget in bytes, e.g. 256MiB (default: 256MiB on CPU, "
                              "90%% of free memory on GPU)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                        help="KV-cache storage: auto (the model's dtype), int8 or fp8_e4m3 "
+                             "(one byte per element, per-head scales: about 2x the tokens)")
     parser.add_argument("--enable-prefix-caching", action="store_true",
                         help="reuse the KV cache of full blocks whose token prefix was "
                              "computed before (automatic prefix caching; default: off)")
@@ -100,7 +103,7 @@ def engine_config_from_args(args: argparse.Namespace,
         seed=args.seed, served_model_name=served_model_name, max_logprobs=args.max_logprobs,
         block_size=args.block_size,
         num_gpu_blocks=args.num_gpu_blocks, kv_cache_memory=args.kv_cache_memory,
-        enable_prefix_caching=args.enable_prefix_caching,
+        enable_prefix_caching=args.enable_prefix_caching, kv_cache_dtype=args.kv_cache_dtype,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         enable_chunked_prefill=args.enable_chunked_prefill,
         attention_backend=args.attention_backend, disable_log_stats=args.disable_log_stats,

@@ -4,7 +4,10 @@ reference for everything else.
 A decode-only step in float32 runs :func:`nybble.kernels.cpu_attention.paged_decode_attention`,
 which reads each sequence's keys and values through its block table up to its own length: no
 gathered ``[B, S, Hkv, D]`` copy per layer, no padding to the longest sequence, no mask. Steps
-with prefill chunks, and other dtypes, take :func:`~nybble.kernels.reference_attention.paged_attention`.
+with prefill chunks, and other dtypes, take
+:func:`~nybble.kernels.reference_attention.paged_attention`. A quantized (``int8`` /
+``fp8_e4m3``) cache's decode steps run the same kernel with the layer's per-head scales (an fp8
+cache as its bytes, with a 256-entry table of what each byte stands for).
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import numpy as np
 import torch
 
 from nybble.kernels.interface import AttentionMetadata
+from nybble.kernels.kv_quant import QMAX
 from nybble.kernels.reference_attention import TorchAttentionBackend, write_rows, write_slots
 
 try:
@@ -54,7 +58,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     @staticmethod
     def _uses_kernel(meta: AttentionMetadata, kv_cache: torch.Tensor) -> bool:
-        return meta.is_decode_only and kv_cache.dtype == torch.float32 and \
+        return meta.is_decode_only and (kv_cache.dtype == torch.float32 or
+                                        kv_cache.dtype in QMAX) and \
             kv_cache.device.type == "cpu" and kv_cache.is_contiguous()
 
     def _kernel_plan(self, meta: AttentionMetadata) -> DecodeKernelPlan:
@@ -67,24 +72,52 @@ class CpuAttentionBackend(TorchAttentionBackend):
         return plan
 
     def reshape_and_cache(self, key: torch.Tensor, value: torch.Tensor,
-                          kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+                          kv_cache: torch.Tensor, meta: AttentionMetadata,
+                          kv_scale: torch.Tensor | None = None) -> None:
         """See :func:`nybble.kernels.reference_attention.reshape_and_cache`."""
         if not self._uses_kernel(meta, kv_cache):
-            super().reshape_and_cache(key, value, kv_cache, meta)
+            super().reshape_and_cache(key, value, kv_cache, meta, kv_scale)
             return
-        write_slots(key, value, kv_cache, meta.slot_mapping, self._kernel_plan(meta).write_rows)
+        write_slots(key, value, kv_cache, meta.slot_mapping, self._kernel_plan(meta).write_rows,
+                    kv_scale)
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float,
+                kv_scale: torch.Tensor | None = None) -> torch.Tensor:
         """Causal paged attention, ``[T, Hq, D] -> [T, Hq, D]`` (see the protocol)."""
         if not self._uses_kernel(meta, kv_cache) or query.dtype != torch.float32:
-            return super().forward(query, kv_cache, meta, scale)
+            return super().forward(query, kv_cache, meta, scale, kv_scale)
         plan = self._kernel_plan(meta)
         num_tokens, num_heads, head_dim = query.shape
         need = num_heads * (meta.max_seq_len + head_dim + 1)
         if self._scratch.shape[0] < need:
             self._scratch = np.empty(max(need, 2 * self._scratch.shape[0]), np.float32)
         out = torch.empty(num_tokens, num_heads, head_dim)
-        paged_decode_attention(query.numpy(), kv_cache.numpy(), plan.block_tables,
-                               plan.seq_lens, scale, out.numpy(), self._scratch)
+        if kv_cache.dtype == torch.float32:
+            paged_decode_attention(query.numpy(), kv_cache.numpy(), plan.block_tables,
+                                   plan.seq_lens, scale, out.numpy(), self._scratch)
+            return out
+        if kv_scale is None:
+            raise ValueError(f"kv_scale must be a [2, Hkv] float32 tensor for a "
+                             f"{kv_cache.dtype} KV cache, got None")
+        # NOTE: numpy has no float8: an fp8 cache goes as its bytes with a decoding table
+        fp8 = kv_cache.dtype == torch.float8_e4m3fn
+        paged_decode_attention(query.numpy(),
+                               (kv_cache.view(torch.uint8) if fp8 else kv_cache).numpy(),
+                               plan.block_tables, plan.seq_lens, scale, out.numpy(),
+                               self._scratch, kv_scale.contiguous().numpy(),
+                               _byte_values(kv_cache.dtype) if fp8 else None)
         return out
+
+
+_BYTE_VALUES: dict[torch.dtype, np.ndarray] = {}
+
+
+def _byte_values(dtype: torch.dtype) -> np.ndarray:
+    """``[256]`` float32: the value byte ``i`` of a ``dtype`` (float8_e4m3fn) cache holds,
+    decoded once by torch (the kernel's lookup table)."""
+    table = _BYTE_VALUES.get(dtype)
+    if table is None:
+        codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+        table = _BYTE_VALUES[dtype] = codes.view(dtype).float().numpy()
+    return table

@@ -60,18 +60,23 @@ class AttentionBackend(Protocol):
     and device; ``Hq % Hkv == 0``. Post-condition of ``reshape_and_cache``: for every ``t`` with
     ``slot_mapping[t] >= 0``, ``kv_cache[0, slot // BS, slot % BS] == key[t]`` (values alike).
     ``forward`` returns ``[T, Hq, D]`` in the query's dtype, computed with fp32 accumulation.
-    Both are called once per layer with the step's one metadata object.
+    Both are called once per layer with the step's one metadata object. A quantized cache
+    (``int8`` / ``float8_e4m3fn``) takes the layer's per-head scales ``kv_scale [2, Hkv]``
+    float32 in both calls: the write stores ``quant(x / scale)``, attention reads
+    ``float(q) * scale`` (:mod:`nybble.kernels.kv_quant`); a float cache ignores it.
     """
 
     name: str
 
     def reshape_and_cache(self, key: torch.Tensor, value: torch.Tensor,
-                          kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+                          kv_cache: torch.Tensor, meta: AttentionMetadata,
+                          kv_scale: torch.Tensor | None = None) -> None:
         """Write the new tokens' keys and values into their slots of ``kv_cache``
         (``meta.slot_mapping``; ``-1``: not written)."""
         ...
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float,
+                kv_scale: torch.Tensor | None = None) -> torch.Tensor:
         """Causal attention of each sequence's new tokens over its cached keys/values."""
         ...

@@ -21,18 +21,22 @@ import torch
 import torch.nn.functional as F
 
 from nybble.kernels.interface import AttentionMetadata
+from nybble.kernels.kv_quant import as_bytes, is_quantized_cache, quantize_kv
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor) -> None:
+                      slot_mapping: torch.Tensor, kv_scale: torch.Tensor | None = None) -> None:
     """Scatter new keys/values into the paged cache.
 
     Args:
-        key, value: ``[T, Hkv, D]``, same dtype as ``kv_cache``.
+        key, value: ``[T, Hkv, D]``, the cache's dtype (any float dtype for a quantized
+            cache).
         kv_cache: ``[2, NB, BS, Hkv, D]``, written in place.
         slot_mapping: ``[T]`` int64 flat slot per token; ``-1`` entries are skipped.
+        kv_scale: ``[2, Hkv]`` float32 per-head scales of keys and values; needed when
+            ``kv_cache`` is ``int8`` / ``float8_e4m3fn`` (:mod:`nybble.kernels.kv_quant`).
     """
-    write_slots(key, value, kv_cache, slot_mapping, write_rows(slot_mapping))
+    write_slots(key, value, kv_cache, slot_mapping, write_rows(slot_mapping), kv_scale)
 
 
 def write_rows(slot_mapping: torch.Tensor) -> torch.Tensor | None:
@@ -43,12 +47,17 @@ def write_rows(slot_mapping: torch.Tensor) -> torch.Tensor | None:
 
 
 def write_slots(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                slot_mapping: torch.Tensor, rows: torch.Tensor | None) -> None:
-    """Write tokens ``rows`` (all when None) of ``key``/``value`` to their slots."""
+                slot_mapping: torch.Tensor, rows: torch.Tensor | None,
+                kv_scale: torch.Tensor | None = None) -> None:
+    """Write tokens ``rows`` (all when None) of ``key``/``value`` to their slots, quantized
+    with ``kv_scale`` when the cache is (see :func:`reshape_and_cache`)."""
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
-    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
+    flat = as_bytes(kv_cache).view(2, num_blocks * block_size, num_kv_heads, head_dim)
     if rows is not None:
         slot_mapping, key, value = slot_mapping[rows], key[rows], value[rows]
+    if is_quantized_cache(kv_cache):
+        key = as_bytes(quantize_kv(key, _require(kv_scale)[0], kv_cache.dtype))
+        value = as_bytes(quantize_kv(value, kv_scale[1], kv_cache.dtype))
     flat[0].index_copy_(0, slot_mapping, key)
     flat[1].index_copy_(0, slot_mapping, value)
 
@@ -212,13 +221,35 @@ def _group_query(query: torch.Tensor, kv_cache: torch.Tensor, tokens: torch.Tens
     return q, num_heads, kv_cache.shape[3], head_dim, acc
 
 
+def _require(kv_scale: torch.Tensor | None) -> torch.Tensor:
+    if kv_scale is None:
+        raise ValueError("kv_scale must be a [2, Hkv] float32 tensor for an int8 / fp8 KV "
+                         "cache, got None")
+    return kv_scale
+
+
+def _dequantized(kv: torch.Tensor, kv_cache: torch.Tensor, kv_scale: torch.Tensor | None,
+                 head_axis: int, acc: torch.dtype) -> torch.Tensor:
+    """Gathered cache bytes ``kv [2, ...]`` (KV heads on ``head_axis``) as ``acc`` values:
+    ``float(q) * kv_scale`` for a quantized cache, a cast otherwise."""
+    if not is_quantized_cache(kv_cache):
+        return _cast(kv, acc)
+    shape = [1] * kv.dim()
+    shape[0], shape[head_axis] = 2, kv.shape[head_axis]
+    return kv.view(kv_cache.dtype).to(acc) * _require(kv_scale).to(acc).view(shape)
+
+
 def _decode(query: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan,
-            scale: float) -> torch.Tensor:
+            scale: float, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``softmax(q k^T * scale + mask) v`` for the decode rows; ``[Bd, Hq, D]`` float."""
     q, num_heads, num_kv_heads, head_dim, acc = _group_query(query, kv_cache, plan.tokens)
     batch, s = q.shape[0], plan.max_seq_len
-    kv = kv_cache.view(2, -1, head_dim).index_select(1, plan.kv_rows)
-    if kv.dtype != acc:
+    kv = as_bytes(kv_cache).view(2, -1, head_dim).index_select(1, plan.kv_rows)
+    if is_quantized_cache(kv_cache):
+        kv = _dequantized(kv.view(2, batch, num_kv_heads, s, head_dim), kv_cache, kv_scale, 2,
+                          acc)
+        q = q.to(acc)
+    elif kv.dtype != acc:
         kv, q = kv.to(acc), q.to(acc)
     keys, values = kv.view(2, batch * num_kv_heads, s, head_dim).unbind(0)
     # NOTE: the product makes q contiguous, so [B, Hq, D] views as [B * Hkv, group, D].
@@ -228,14 +259,15 @@ def _decode(query: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan,
 
 
 def _prefill(query: torch.Tensor, kv_cache: torch.Tensor, plan: PrefillPlan,
-             scale: float) -> torch.Tensor:
+             scale: float, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of the prefill chunks, padded; ``[Tp, Hq, D]`` float."""
     q, num_heads, num_kv_heads, head_dim, acc = _group_query(query, kv_cache, plan.tokens)
     q_pad = q.new_zeros(plan.batch * plan.max_query_len, num_heads, head_dim, dtype=acc)
     q_pad.index_copy_(0, plan.pad_rows, _cast(q, acc))
     q_pad = q_pad.view(plan.batch, plan.max_query_len, num_heads, head_dim)
-    kv = kv_cache.view(2, -1, num_kv_heads, head_dim).index_select(1, plan.kv_slots)
-    kv = _cast(kv.view(2, plan.batch, plan.max_seq_len, num_kv_heads, head_dim), acc)
+    kv = as_bytes(kv_cache).view(2, -1, num_kv_heads, head_dim).index_select(1, plan.kv_slots)
+    kv = _dequantized(kv.view(2, plan.batch, plan.max_seq_len, num_kv_heads, head_dim),
+                      kv_cache, kv_scale, 3, acc)
     # NOTE: padded query rows may be fully masked (NaN out); they are dropped below.
     out = F.scaled_dot_product_attention(
         q_pad.transpose(1, 2), kv[0].transpose(1, 2), kv[1].transpose(1, 2),
@@ -245,7 +277,7 @@ def _prefill(query: torch.Tensor, kv_cache: torch.Tensor, plan: PrefillPlan,
 
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float) -> torch.Tensor:
+                    scale: float, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Varlen causal attention of new tokens over their cached prefixes (GQA aware).
 
     Decode sequences (one new token) and prefill chunks are computed as two groups, so a long
@@ -257,6 +289,8 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
         kv_cache: ``[2, NB, BS, Hkv, D]`` already holding this step's keys/values.
         meta: batch layout (see :class:`AttentionMetadata`).
         scale: softmax scale, usually ``D ** -0.5``.
+        kv_scale: ``[2, Hkv]`` float32 per-head scales; needed for an ``int8`` / ``fp8``
+            cache, which is read as ``float(q) * scale`` (:mod:`nybble.kernels.kv_quant`).
 
     Returns:
         ``[T, Hq, D]`` in ``query.dtype``; computed in float32, or float64 for float64 inputs.
@@ -266,14 +300,14 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
         plan = meta.plan = plan_attention(meta, kv_cache)
     dec, pre = plan.decode, plan.prefill
     if dec is not None and dec.tokens is None:
-        return _cast(_decode(query, kv_cache, dec, scale), query.dtype)
+        return _cast(_decode(query, kv_cache, dec, scale, kv_scale), query.dtype)
     if pre is not None and pre.tokens is None:
-        return _cast(_prefill(query, kv_cache, pre, scale), query.dtype)
+        return _cast(_prefill(query, kv_cache, pre, scale, kv_scale), query.dtype)
     out = torch.empty_like(query)
     if dec is not None:
-        out[dec.tokens] = _decode(query, kv_cache, dec, scale).to(query.dtype)
+        out[dec.tokens] = _decode(query, kv_cache, dec, scale, kv_scale).to(query.dtype)
     if pre is not None:
-        out[pre.tokens] = _prefill(query, kv_cache, pre, scale).to(query.dtype)
+        out[pre.tokens] = _prefill(query, kv_cache, pre, scale, kv_scale).to(query.dtype)
     return out
 
 
@@ -288,14 +322,16 @@ class TorchAttentionBackend:
     name = "torch"
 
     def reshape_and_cache(self, key: torch.Tensor, value: torch.Tensor,
-                          kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+                          kv_cache: torch.Tensor, meta: AttentionMetadata,
+                          kv_scale: torch.Tensor | None = None) -> None:
         """See :func:`reshape_and_cache`; the ``-1`` slots are found once per step."""
         plan = meta.plan
         if not isinstance(plan, AttentionPlan):
             plan = meta.plan = plan_attention(meta, kv_cache)
-        write_slots(key, value, kv_cache, meta.slot_mapping, plan.write_rows)
+        write_slots(key, value, kv_cache, meta.slot_mapping, plan.write_rows, kv_scale)
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float,
+                kv_scale: torch.Tensor | None = None) -> torch.Tensor:
         """See :func:`paged_attention`."""
-        return paged_attention(query, kv_cache, meta, scale)
+        return paged_attention(query, kv_cache, meta, scale, kv_scale)

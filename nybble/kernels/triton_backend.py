@@ -20,13 +20,15 @@ class TritonAttentionBackend:
     name = "triton"
 
     def reshape_and_cache(self, key: torch.Tensor, value: torch.Tensor,
-                          kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+                          kv_cache: torch.Tensor, meta: AttentionMetadata,
+                          kv_scale: torch.Tensor | None = None) -> None:
         """See :func:`nybble.kernels.triton_cache.reshape_and_cache` (``meta.slot_mapping``)."""
-        reshape_and_cache(key, value, kv_cache, meta.slot_mapping)
+        reshape_and_cache(key, value, kv_cache, meta.slot_mapping, kv_scale)
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float,
+                kv_scale: torch.Tensor | None = None) -> torch.Tensor:
         """Causal paged attention, ``[T, Hq, D] -> [T, Hq, D]`` (see the protocol)."""
         if meta.is_decode_only:
-            return paged_decode_attention(query, kv_cache, meta, scale)
-        return paged_prefill_attention(query, kv_cache, meta, scale)
+            return paged_decode_attention(query, kv_cache, meta, scale, kv_scale=kv_scale)
+        return paged_prefill_attention(query, kv_cache, meta, scale, kv_scale=kv_scale)

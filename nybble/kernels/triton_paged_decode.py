@@ -24,6 +24,7 @@ from nybble.kernels._triton import (
     upcast_dot,
 )
 from nybble.kernels.interface import AttentionMetadata
+from nybble.kernels.triton_cache import quant_mode, scale_arg
 
 _LOG2E = 1.4426950408889634  # 1/ln(2): softmax is computed with exp2
 
@@ -31,9 +32,9 @@ _LOG2E = 1.4426950408889634  # 1/ln(2): softmax is computed with exp2
 @triton.jit
 def _paged_decode_split_kernel(
     # pointers
-    q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, part_acc_ptr, part_ml_ptr,
+    q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, part_acc_ptr, part_ml_ptr, scale_ptr,
     # sizes
-    head_dim, block_size, group_size, partition_size, qk_scale,
+    head_dim, block_size, group_size, partition_size, qk_scale, num_kv_heads,
     # strides
     stride_qt, stride_qh, stride_qd,
     stride_ckv, stride_cb, stride_cs, stride_ch, stride_cd,
@@ -42,9 +43,11 @@ def _paged_decode_split_kernel(
     stride_pmb, stride_pmh, stride_pms, stride_pmx,
     # meta-parameters
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, QUANT: tl.constexpr,
 ):
     """Program (b, kv head, split): online softmax over one partition of sequence b's keys.
+    A quantized cache (``QUANT`` != 0) is read as ``float(q) * scale`` with the head's scales
+    ``scale_ptr[0, h]`` (keys) and ``scale_ptr[1, h]`` (values).
 
     Writes ``part_acc[b, h, split] = sum_j exp2(s_j - m) v_j`` (fp32, not normalised) and
     ``part_ml[b, h, split] = (m, l)`` with ``l = sum_j exp2(s_j - m)`` (scores in log2 units).
@@ -67,6 +70,9 @@ def _paged_decode_split_kernel(
     heads = pid_kvh * group_size + offs_g  # query heads of this KV head, padded to BLOCK_G rows
     q_ptrs = q_ptr + tok * stride_qt + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd
     q = tl.load(q_ptrs, mask=mask_g[:, None] & mask_d[None, :], other=0.0)
+    if QUANT != 0:
+        k_scale = tl.load(scale_ptr + pid_kvh)
+        v_scale = tl.load(scale_ptr + num_kv_heads + pid_kvh)
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -82,6 +88,9 @@ def _paged_decode_split_kernel(
         mask_kv = mask_n[:, None] & mask_d[None, :]
         k = tl.load(cache_ptr + kv_offs, mask=mask_kv, other=0.0)
         v = tl.load(cache_ptr + stride_ckv + kv_offs, mask=mask_kv, other=0.0)
+        if QUANT != 0:
+            k = (k.to(tl.float32) * k_scale).to(q.dtype)
+            v = (v.to(tl.float32) * v_scale).to(q.dtype)
 
         qk = dot(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * qk_scale  # [G, N], log2 units
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
@@ -159,17 +168,20 @@ def _decode_config(batch: int, num_kv_heads: int, max_seq_len: int,
 
 def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                            scale: float, out: torch.Tensor | None = None,
-                           partition_size: int | None = None) -> torch.Tensor:
+                           partition_size: int | None = None,
+                           kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention: each sequence's single new token over all of its cached keys.
 
     Args:
         query: ``[T = B, Hq, D]`` fp16/bf16/fp32 (token ``query_start_loc[b]`` is sequence b's).
-        kv_cache: ``[2, NB, BS, Hkv, D]``, same dtype; already holds this step's keys/values.
+        kv_cache: ``[2, NB, BS, Hkv, D]``, same dtype, or ``int8`` / ``float8_e4m3fn``
+            (quantized, read through ``kv_scale``); already holds this step's keys/values.
         meta: batch layout; ``meta.is_decode_only`` must hold. ``seq_lens[b] >= 1``.
         scale: softmax scale (usually ``D ** -0.5``).
         out: optional ``[T, Hq, D]`` output buffer in ``query.dtype`` (written fully).
         partition_size: tokens per split (a multiple of the key tile); ``None`` picks it from
             the batch shape (see :func:`_decode_config`). Tests use it to force many splits.
+        kv_scale: ``[2, Hkv]`` float32 per-head scales of a quantized cache.
 
     Returns:
         ``[T, Hq, D]`` in ``query.dtype``; fp32 accumulation, softmax in exp2 form.
@@ -186,9 +198,11 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: At
     if cache_head_dim != head_dim or num_heads % num_kv_heads != 0:
         raise ValueError(f"query [T, Hq, D] must match kv_cache [2, NB, BS, Hkv, D] with "
                          f"Hq % Hkv == 0, got {tuple(query.shape)} and {tuple(kv_cache.shape)}")
-    if query.dtype != kv_cache.dtype:
+    quant = quant_mode(kv_cache)
+    if query.dtype != kv_cache.dtype and not quant:
         raise ValueError(f"query dtype must be the cache's {kv_cache.dtype}, got {query.dtype}")
-    check_device(query, kv_cache, meta.block_tables, meta.seq_lens)
+    scales = scale_arg(kv_cache, kv_scale)
+    check_device(query, kv_cache, meta.block_tables, meta.seq_lens, scales)
     if out is None:
         out = torch.empty_like(query)
     if num_tokens == 0:
@@ -206,11 +220,12 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: At
     block_d = max(16, next_power_of_2(head_dim))  # tl.dot needs every dim >= 16: pad, mask
     _paged_decode_split_kernel[(batch, num_kv_heads, num_splits)](
         query, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, part_acc, part_ml,
-        head_dim, block_size, group, partition, scale * _LOG2E,
+        scales, head_dim, block_size, group, partition, scale * _LOG2E, num_kv_heads,
         *query.stride(), *kv_cache.stride(), *meta.block_tables.stride(),
         *part_acc.stride(), *part_ml.stride(),
         BLOCK_G=max(16, next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
         DOT_PRECISION=tl_dtype_precision(query.dtype), UPCAST_DOT=upcast_dot(query.dtype),
+        QUANT=quant,
     )
     _paged_decode_reduce_kernel[(batch, num_heads)](
         part_acc, part_ml, meta.seq_lens, meta.query_start_loc, out,

@@ -24,17 +24,19 @@ from nybble.kernels._triton import (
     upcast_dot,
 )
 from nybble.kernels.interface import AttentionMetadata
+from nybble.kernels.triton_cache import quant_mode, scale_arg
 
 _LOG2E = 1.4426950408889634  # 1/ln(2): softmax is computed with exp2
 
 
 @triton.jit
 def _attn_stage(acc, l_i, m_i, q, q_pos, cache_ptr, bt_row, lo, hi, kvh_off, qk_scale,
-                head_dim, block_size,
+                k_scale, v_scale, head_dim, block_size,
                 stride_ckv, stride_cb, stride_cs, stride_cd, stride_btm,
                 CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
-    """Online-softmax update of one query tile over keys ``lo .. hi-1`` (log2-unit scores)."""
+                DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, QUANT: tl.constexpr):
+    """Online-softmax update of one query tile over keys ``lo .. hi-1`` (log2-unit scores);
+    a quantized cache (``QUANT`` != 0) is read as ``float(q) * k_scale`` / ``* v_scale``."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < head_dim
@@ -47,6 +49,9 @@ def _attn_stage(acc, l_i, m_i, q, q_pos, cache_ptr, bt_row, lo, hi, kvh_off, qk_
         mask_kv = mask_n[:, None] & mask_d[None, :]
         k = tl.load(cache_ptr + kv_offs, mask=mask_kv, other=0.0)
         v = tl.load(cache_ptr + stride_ckv + kv_offs, mask=mask_kv, other=0.0)
+        if QUANT != 0:
+            k = (k.to(tl.float32) * k_scale).to(q.dtype)
+            v = (v.to(tl.float32) * v_scale).to(q.dtype)
 
         qk = dot(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * qk_scale  # [M, N]
         if CAUSAL:
@@ -68,9 +73,9 @@ def _attn_stage(acc, l_i, m_i, q, q_pos, cache_ptr, bt_row, lo, hi, kvh_off, qk_
 @triton.jit
 def _paged_prefill_kernel(
     # pointers
-    q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
+    q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr, scale_ptr,
     # sizes
-    head_dim, block_size, group_size, qk_scale,
+    head_dim, block_size, group_size, qk_scale, num_kv_heads,
     # strides
     stride_qt, stride_qh, stride_qd,
     stride_ckv, stride_cb, stride_cs, stride_ch, stride_cd,
@@ -78,7 +83,7 @@ def _paged_prefill_kernel(
     stride_ot, stride_oh, stride_od,
     # meta-parameters
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, QUANT: tl.constexpr,
 ):
     """Program (query tile, sequence b, query head h): rows ``pid_m*BLOCK_M ..`` of b's chunk."""
     pid_m = tl.program_id(0)
@@ -91,6 +96,11 @@ def _paged_prefill_kernel(
     seq_len = tl.load(seq_lens_ptr + pid_b)
     ctx_len = seq_len - q_len  # cached prefix before this chunk
     kvh = pid_h // group_size
+    k_scale = 1.0
+    v_scale = 1.0
+    if QUANT != 0:
+        k_scale = tl.load(scale_ptr + kvh)
+        v_scale = tl.load(scale_ptr + num_kv_heads + kvh)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -109,14 +119,16 @@ def _paged_prefill_kernel(
     diag_hi = tl.minimum(diag_lo + BLOCK_M, seq_len)
     # stage 1: fully visible prefix, no causal mask
     acc, l_i, m_i = _attn_stage(acc, l_i, m_i, q, q_pos, cache_ptr, bt_row, 0, diag_lo,
-                                kvh * stride_ch, qk_scale, head_dim, block_size,
-                                stride_ckv, stride_cb, stride_cs, stride_cd, stride_btm,
-                                False, BLOCK_N, BLOCK_D, DOT_PRECISION, UPCAST_DOT)
+                                kvh * stride_ch, qk_scale, k_scale, v_scale, head_dim,
+                                block_size, stride_ckv, stride_cb, stride_cs, stride_cd,
+                                stride_btm, False, BLOCK_N, BLOCK_D, DOT_PRECISION,
+                                UPCAST_DOT, QUANT)
     # stage 2: the diagonal band, causal mask
     acc, l_i, m_i = _attn_stage(acc, l_i, m_i, q, q_pos, cache_ptr, bt_row, diag_lo, diag_hi,
-                                kvh * stride_ch, qk_scale, head_dim, block_size,
-                                stride_ckv, stride_cb, stride_cs, stride_cd, stride_btm,
-                                True, BLOCK_N, BLOCK_D, DOT_PRECISION, UPCAST_DOT)
+                                kvh * stride_ch, qk_scale, k_scale, v_scale, head_dim,
+                                block_size, stride_ckv, stride_cb, stride_cs, stride_cd,
+                                stride_btm, True, BLOCK_N, BLOCK_D, DOT_PRECISION,
+                                UPCAST_DOT, QUANT)
     out = acc / l_i[:, None]
     o_ptrs = out_ptr + (q_start + offs_m)[:, None] * stride_ot + pid_h * stride_oh \
         + offs_d[None, :] * stride_od
@@ -133,16 +145,19 @@ def _prefill_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, i
 
 
 def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                            scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+                            scale: float, out: torch.Tensor | None = None,
+                            kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Varlen causal attention of each sequence's new tokens over its cached prefix and itself.
 
     Args:
         query: ``[T, Hq, D]`` fp16/bf16/fp32, sequences concatenated per ``query_start_loc``.
-        kv_cache: ``[2, NB, BS, Hkv, D]``, same dtype; already holds this step's keys/values.
+        kv_cache: ``[2, NB, BS, Hkv, D]``, same dtype, or ``int8`` / ``float8_e4m3fn``
+            (quantized, read through ``kv_scale``); already holds this step's keys/values.
         meta: batch layout (``query_start_loc [B+1]``, ``seq_lens [B]``, ``block_tables [B, MB]``,
             ``max_query_len``); ``q_len_b <= seq_len_b``.
         scale: softmax scale (usually ``D ** -0.5``).
         out: optional ``[T, Hq, D]`` output buffer in ``query.dtype``.
+        kv_scale: ``[2, Hkv]`` float32 per-head scales of a quantized cache.
 
     Returns:
         ``[T, Hq, D]`` in ``query.dtype`` (fp32 accumulation). Rows of sequences with zero new
@@ -156,9 +171,11 @@ def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: A
     if cache_head_dim != head_dim or num_heads % num_kv_heads != 0:
         raise ValueError(f"query [T, Hq, D] must match kv_cache [2, NB, BS, Hkv, D] with "
                          f"Hq % Hkv == 0, got {tuple(query.shape)} and {tuple(kv_cache.shape)}")
-    if query.dtype != kv_cache.dtype:
+    quant = quant_mode(kv_cache)
+    if query.dtype != kv_cache.dtype and not quant:
         raise ValueError(f"query dtype must be the cache's {kv_cache.dtype}, got {query.dtype}")
-    check_device(query, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc)
+    scales = scale_arg(kv_cache, kv_scale)
+    check_device(query, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scales)
     if out is None:
         out = torch.empty_like(query)
     batch = meta.seq_lens.shape[0]
@@ -167,11 +184,11 @@ def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: A
     block_m, block_n, num_warps, num_stages = _prefill_config(head_dim, query.dtype)
     grid = (cdiv(meta.max_query_len, block_m), batch, num_heads)
     _paged_prefill_kernel[grid](
-        query, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, out,
-        head_dim, block_size, num_heads // num_kv_heads, scale * _LOG2E,
+        query, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, out, scales,
+        head_dim, block_size, num_heads // num_kv_heads, scale * _LOG2E, num_kv_heads,
         *query.stride(), *kv_cache.stride(), *meta.block_tables.stride(), *out.stride(),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, next_power_of_2(head_dim)),
         DOT_PRECISION=tl_dtype_precision(query.dtype), UPCAST_DOT=upcast_dot(query.dtype),
-        num_warps=num_warps, num_stages=num_stages,
+        QUANT=quant, num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -51,13 +51,16 @@ class LlamaAttention(nn.Module):
                                    dtype, device)
         self.rope = rope
         self.backend = backend
+        # [2, Hkv] float32 per-head K/V scales of a quantized KV cache (set by
+        # nybble.runtime.kv_calibration before the pool is used); None for a float cache.
+        self.kv_scale: torch.Tensor | None = None
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Write this step's ``k``/``v`` ``[T, Hkv, D]`` into ``kv_cache`` and attend with
         ``q [T, Hq, D]``: ``[T, Hq * D]`` (before ``o_proj``)."""
-        self.backend.reshape_and_cache(k, v, kv_cache, meta)
-        out = self.backend.forward(q, kv_cache, meta, self.scale)  # (T, Hq, D)
+        self.backend.reshape_and_cache(k, v, kv_cache, meta, self.kv_scale)
+        out = self.backend.forward(q, kv_cache, meta, self.scale, self.kv_scale)  # (T, Hq, D)
         return out.view(q.shape[0], self.q_size)
 
 

@@ -12,13 +12,18 @@ SCRATCH_BLOCK_SIZE = 16
 
 @torch.inference_mode()
 def prefill_logits(loaded: LoadedModel, sequences: list[list[int]],
-                   device: torch.device | None = None) -> list[torch.Tensor]:
+                   device: torch.device | None = None, cache_dtype: torch.dtype | None = None,
+                   keep_caches: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """Logits at every position of every sequence, computed as one prefill batch.
 
     Args:
         loaded: the model (its attention backend is used as loaded).
         sequences: token ids; each at most ``loaded.max_model_len`` long.
         device: where the model lives (default: the embedding's device).
+        cache_dtype: the scratch cache's dtype (default: the model's); ``torch.int8`` /
+            ``torch.float8_e4m3fn`` need the layers' ``kv_scale`` set
+            (:mod:`nybble.runtime.kv_calibration`).
+        keep_caches: when given, the per-layer scratch caches are appended to it.
 
     Returns:
         One float32 ``[len(seq), vocab]`` tensor per sequence.
@@ -48,9 +53,11 @@ def prefill_logits(loaded: LoadedModel, sequences: list[list[int]],
                              seq_lens=torch.tensor(lens, **i32), block_tables=tables.to(**i32),
                              max_query_len=max(lens), max_seq_len=max(lens),
                              is_decode_only=max(lens) == 1)
-    dtype = model.embed_tokens.weight.dtype
+    dtype = cache_dtype or model.embed_tokens.weight.dtype
     caches = [torch.zeros(2, sum(blocks), bs, shape.num_kv_heads, shape.head_dim, dtype=dtype,
                           device=device) for _ in range(shape.num_layers)]
+    if keep_caches is not None:
+        keep_caches.extend(caches)
     ids = torch.tensor([t for s in sequences for t in s], dtype=torch.int64, device=device)
     hidden = model(ids, pos.to(device), caches, meta)
     return list(model.compute_logits(hidden).float().split(lens))

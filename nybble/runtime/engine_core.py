@@ -19,9 +19,10 @@ from nybble.config import EngineConfig, check_model_dir
 from nybble.errors import EngineStepError
 from nybble.kernels import get_attention_backend
 from nybble.models.loader import LoadedModel, load_model
+from nybble.quant.report import summarize_report
 from nybble.runtime.batch import ScheduledBatch
 from nybble.runtime.beam_core import BeamCoordinator, add_results
-from nybble.runtime.kv_cache import plan_kv_cache
+from nybble.runtime.kv_cache import is_quantized_kv, plan_kv_cache
 from nybble.runtime.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -79,6 +80,11 @@ class EngineCore:
                              f"{mc.max_logprobs}")
         self.kv_spec = plan_kv_cache(config.cache_config, self.loaded.shape, self.loaded.dtype,
                                      self.device)
+        if is_quantized_kv(self.kv_spec.dtype):
+            from nybble.runtime.kv_calibration import calibrate_kv_scales
+
+            # NOTE: before the runner: CUDA graphs capture the layers' kv_scale tensors
+            calibrate_kv_scales(self.loaded, self.kv_spec.dtype, self.device)
         self.runner = ModelRunner(self.loaded, self.kv_spec, self.device, config)
         self.grammars = GrammarCompiler(mc.tokenizer_folder, vocab, self.loaded.eos_token_ids)
         sc = config.scheduler_config
@@ -111,7 +117,18 @@ class EngineCore:
                     spec.block_size, spec.bytes_per_block,
                     spec.total_bytes / 2**20, self.max_model_len,
                     "on" if self.config.cache_config.enable_prefix_caching else "off")
+        report = summarize_report(mc.model)
+        if report is not None:  # the quality report `nybble quantize` wrote beside the weights
+            logger.info("quantization report: %s", report)
         pool_tokens = spec.num_blocks * spec.block_size
+        if is_quantized_kv(spec.dtype):
+            model_elem = torch.empty((), dtype=loaded.dtype).element_size()
+            plain = spec.total_bytes // (spec.bytes_per_block * model_elem) * spec.block_size
+            logger.info("KV cache dtype %s (per-head scales calibrated at start-up): the pool "
+                        "holds %d tokens, %.2fx the %d tokens of a %s cache of the same bytes",
+                        self.config.cache_config.kv_cache_dtype, pool_tokens,
+                        pool_tokens / max(plain, 1), plain,
+                        str(loaded.dtype).replace("torch.", ""))
         if pool_tokens < self.max_model_len:
             logger.warning("the KV cache holds %d tokens (%d blocks x %d), fewer than "
                            "max_model_len %d: a request whose prompt + max_tokens exceeds %d "

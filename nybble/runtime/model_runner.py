@@ -22,6 +22,7 @@ import torch
 
 from nybble.config import EngineConfig
 from nybble.kernels.interface import AttentionMetadata
+from nybble.kernels.kv_quant import as_bytes
 from nybble.models.loader import LoadedModel
 from nybble.runtime.batch import ScheduledBatch
 from nybble.runtime.cuda_graphs import DecodeGraphs, capture_sizes
@@ -126,6 +127,7 @@ class ModelRunner:
         src_t = self.inputs.put("copy_src", src.astype(np.int64))
         dst_t = self.inputs.put("copy_dst", dst.astype(np.int64))
         for cache in self.kv_caches:
+            cache = as_bytes(cache)  # NOTE: CPU indexing does not take float8
             cache[:, dst_t] = cache[:, src_t]
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor,

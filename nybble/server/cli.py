@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from nybble.engine_args import _parse_bytes, add_engine_args
+from nybble.engine_args import parse_bytes, add_engine_args
 from nybble.server.config import API_KEY_ENV, DEFAULT_MAX_REQUEST_BODY_BYTES, ServerConfig
 
 _DEFAULTS = ServerConfig()
@@ -30,7 +30,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     limits = parser.add_argument_group(
         "request and connection limits",
         "what one client can make the server hold (see README, 'Limits')")
-    limits.add_argument("--max-request-body-bytes", type=_parse_bytes,
+    limits.add_argument("--max-request-body-bytes", type=parse_bytes,
                         default=DEFAULT_MAX_REQUEST_BODY_BYTES,
                         help="larger request bodies are refused with 413 before they are "
                              "read (bytes, or e.g. 16MiB; default: 2MiB)")

@@ -117,3 +117,23 @@ def test_readme_and_summary(quantized: tuple[str, dict], tmp_path,
     with caplog.at_level(logging.WARNING, logger="nybble.quant.report"):
         assert summarize_report(str(bad)) is None
     assert "schema_version 1, got 99" in caplog.text
+
+
+def test_generate_logs_the_report_line_at_start_up(quantized: tuple[str, dict],
+                                                   caplog: pytest.LogCaptureFixture,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """``nybble generate`` (and ``nybble serve``, whose core process runs the same
+    ``EngineCore`` start-up) logs the report's one line once; a folder without a report logs
+    none."""
+    from nybble.cli import main
+
+    out, _ = quantized
+    with caplog.at_level(logging.INFO, logger="nybble.runtime.engine_core"):
+        assert main(["generate", "--model", out, "Once", "--max-tokens", "2"]) == 0
+    lines = [r.getMessage() for r in caplog.records if "quantization report" in r.getMessage()]
+    assert lines == [f"quantization report: {summarize_report(out)}"]
+    assert "held-out perplexity" in lines[0] and "gptq 4-bit g32" in lines[0]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="nybble.runtime.engine_core"):
+        assert main(["generate", "Once", "--max-tokens", "2"]) == 0
+    assert "quantization report" not in caplog.text

@@ -1,0 +1,61 @@
+"""``nybble plan MODEL``: print the memory plan of a model folder on a GPU of a given size.
+
+Reads ``config.json`` and the safetensors headers only (no weights are loaded, no GPU is
+needed); see :mod:`nybble.plan.planner` for what is computed and how it matches the engine.
+"""
+from __future__ import annotations
+
+import argparse
+
+from nybble.config import KV_CACHE_DTYPES
+from nybble.engine_args import parse_bytes
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``plan`` subcommand."""
+    p = subparsers.add_parser(
+        "plan", help="memory plan: weights, KV cache, sequences that fit on a GPU",
+        description="Plan a model's memory on a GPU: weight bytes (exact for the checkpoint's "
+                    "quantization), KV-cache bytes per token, how many sequences fit, the "
+                    "longest context, and what to change when nothing fits. Uses the "
+                    "engine's own KV-pool sizing; loads no weights.")
+    p.add_argument("model", metavar="MODEL", help="model folder (config.json + *.safetensors)")
+    p.add_argument("--gpu-memory", type=parse_bytes, default=parse_bytes("16GiB"),
+                   help="memory of one GPU, e.g. 24GiB (default: 16GiB)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="tokens per sequence, prompt + output (default: the model's "
+                        "max_position_embeddings)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="KV-cache storage (auto: the serving dtype)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="GPUs to split the model over (computed only: nybble runs on one "
+                        "device today)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                   help="serving dtype (auto: the checkpoint's, float32 becomes float16, as "
+                        "the engine does on a GPU)")
+    p.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32],
+                   help="tokens per KV-cache block")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the plan; exit code 0, or 1 when no sequence of ``--max-model-len`` fits."""
+    from nybble.config import check_model_dir
+
+    check_model_dir(args.model)
+    import torch
+
+    from nybble.models.hf_config import load_hf_config
+    from nybble.models.loader import resolve_dtype
+    from nybble.models.shape import ModelShape
+    from nybble.plan.planner import PlanRequest, format_plan, plan_memory
+    from nybble.plan.weights import checkpoint_tensors
+
+    hf_config = load_hf_config(args.model)
+    dtype = str(resolve_dtype(args.dtype, hf_config, torch.device("cuda"))).replace("torch.", "")
+    request = PlanRequest(args.gpu_memory, args.max_model_len, args.kv_cache_dtype,
+                          args.tensor_parallel_size, dtype, args.block_size)
+    plan = plan_memory(ModelShape.from_hf_config(hf_config), checkpoint_tensors(args.model),
+                       int(getattr(hf_config, "max_position_embeddings", 2048)), request)
+    print(format_plan(plan, args.model))
+    return 0 if plan.num_sequences else 1

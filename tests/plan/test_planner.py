@@ -1,0 +1,160 @@
+"""``nybble plan``: the engine's own KV sizing (same functions, same blocks as a real
+allocation), weight bytes from safetensors headers checked against the loaded model and the
+safetensors library, tensor parallelism, the CLI's output and its advice when nothing fits."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from nybble.cli import main
+from nybble.config import DEFAULT_MODEL, CacheConfig
+from nybble.models.hf_config import load_hf_config
+from nybble.models.shape import ModelShape
+from nybble.plan.planner import PlanRequest, kv_layout, plan_memory
+from nybble.plan.weights import checkpoint_tensors, llama_gptq_tensors, weight_bytes
+from nybble.runtime.kv_cache import plan_kv_cache
+from nybble.runtime.kv_plan import blocks_in_budget
+from tests.conftest import shared_path
+from tests.runtime.engine_helpers import make_engine
+
+SHAPE = ModelShape.from_hf_config(load_hf_config(DEFAULT_MODEL))  # 5 layers, 4 KV heads of 8
+TENSORS = checkpoint_tensors(DEFAULT_MODEL)
+
+
+@pytest.mark.parametrize("kv_dtype,elem", [("auto", 4), ("int8", 1), ("fp8_e4m3", 1)])
+def test_the_planner_sizes_the_pool_the_engine_allocates(kv_dtype: str, elem: int) -> None:
+    """A real engine on the CPU with a byte budget: the planner's layout and block count are
+    the allocation's, tensor by tensor."""
+    budget = 3 << 20
+    engine = make_engine(kv_cache_memory=budget, kv_cache_dtype=kv_dtype).engine_core
+    layout = kv_layout(SHAPE, PlanRequest(gpu_memory=0, kv_cache_dtype=kv_dtype,
+                                          dtype="float32"))
+    assert layout.bytes_per_token == 2 * 5 * 4 * 8 * elem  # written out: K,V x L x Hkv x D
+    blocks = blocks_in_budget(budget, layout)
+    assert engine.kv_spec.num_blocks == blocks == budget // (16 * layout.bytes_per_token)
+    allocated = sum(c.numel() * c.element_size() for c in engine.runner.kv_caches)
+    assert allocated == blocks * layout.bytes_per_block == engine.kv_spec.total_bytes
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8", "fp8_e4m3"])
+@pytest.mark.parametrize("gpu_gib", [1, 3])
+def test_the_planner_and_the_engine_agree_on_a_gpu(kv_dtype: str, gpu_gib: int,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine on a GPU with ``G - weights`` free after loading (the CUDA query faked)
+    plans the same blocks as ``nybble plan --gpu-memory G``."""
+    gpu = gpu_gib << 30
+    plan = plan_memory(SHAPE, TENSORS, 512, PlanRequest(gpu, 256, kv_dtype, dtype="float16"))
+    free = gpu - plan.weight_bytes
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, gpu))
+    spec = plan_kv_cache(CacheConfig(kv_cache_dtype=kv_dtype), SHAPE, torch.float16,
+                         torch.device("cuda"))
+    assert spec.num_blocks == plan.num_blocks == int(free * 0.9) // spec.bytes_per_block
+    assert spec.bytes_per_block == 16 * plan.kv_bytes_per_token
+    assert plan.num_sequences == plan.num_blocks // 16  # 256 tokens = 16 blocks
+    assert plan.max_context == 512  # capped by max_position_embeddings
+
+
+def test_weight_bytes_equal_the_loaded_model() -> None:
+    engine = make_engine(num_gpu_blocks=8).engine_core
+    assert weight_bytes(TENSORS, "float32") == engine.loaded.weight_bytes
+    assert weight_bytes(TENSORS, "float16") == engine.loaded.weight_bytes // 2
+
+
+def test_weight_bytes_of_a_gptq_checkpoint_from_the_library() -> None:
+    """Packed int32 tensors count as stored, floating ones at the serving dtype; the reference
+    sums the tensors the safetensors library loads."""
+    gptq = shared_path("fixtures", "quant", "tiny-llama-gptq-4bit-g32")
+    path = os.path.join(gptq, "gptq_model-4bit-32g.safetensors")
+    want = 0
+    with safe_open(path, "pt") as f:
+        for name in f.keys():
+            t = f.get_tensor(name)
+            want += t.numel() * (2 if t.is_floating_point() else t.element_size())
+    assert weight_bytes(checkpoint_tensors(gptq), "float16") == want
+
+
+def test_tensor_parallel_splits_kv_heads_and_matrices() -> None:
+    one = plan_memory(SHAPE, TENSORS, 512, PlanRequest(1 << 30, dtype="float16"))
+    two = plan_memory(SHAPE, TENSORS, 512, PlanRequest(1 << 30, tensor_parallel_size=2,
+                                                       dtype="float16"))
+    assert two.kv_bytes_per_token * 2 == one.kv_bytes_per_token
+    norms = sum(t.numel * 2 for t in TENSORS.values() if len(t.shape) == 1)
+    matrices = sum(t.numel * 2 for t in TENSORS.values() if len(t.shape) >= 2)
+    assert two.weight_bytes == norms + matrices // 2
+    eight = plan_memory(SHAPE, TENSORS, 512, PlanRequest(1 << 30, tensor_parallel_size=8,
+                                                         dtype="float16"))
+    assert eight.kv_bytes_per_token == two.kv_bytes_per_token // 2  # one head each, replicated
+    with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1 and divide, or be "
+                                         "a multiple of, the model's 4 KV heads, got 3"):
+        plan_memory(SHAPE, TENSORS, 512, PlanRequest(1 << 30, tensor_parallel_size=3))
+
+
+def test_a_7b_shape_matches_its_hand_count() -> None:
+    """Llama-2-7B's shape: 6,738,415,616 parameters; KV 512 KiB a token in fp16; the GPTQ
+    4-bit g128 layout's bytes written out per projection."""
+    cfg = {"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+           "num_attention_heads": 32, "vocab_size": 32000}
+    fp16 = llama_gptq_tensors(cfg, None)
+    assert sum(t.numel for t in fp16.values()) == 6_738_415_616
+    int4 = weight_bytes(llama_gptq_tensors(cfg, 4, 128), "float16")
+    per_layer = 0
+    for k, n in [(4096, 4096)] * 4 + [(4096, 11008)] * 2 + [(11008, 4096)]:
+        per_layer += k * n // 2 + (k // 128) * (n // 8) * 4 + (k // 128) * n * 2 + k * 4
+    assert int4 == 32 * (per_layer + 2 * 4096 * 2) + 2 * 32000 * 4096 * 2 + 4096 * 2
+
+
+def test_cli_prints_the_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", DEFAULT_MODEL, "--gpu-memory", "64MiB", "--max-model-len", "256"]) == 0
+    out = capsys.readouterr().out
+    weights = weight_bytes(TENSORS, "float16")  # auto on a GPU: the fp32 checkpoint as fp16
+    per_token = 2 * 5 * 4 * 8 * 2
+    blocks = int(((64 << 20) - weights) * 0.9) // (16 * per_token)
+    assert f"weights          {weights} bytes" in out
+    assert f"KV per token     {per_token} bytes" in out
+    assert f"KV pool          {blocks} blocks x 16 tokens = {blocks * 16} tokens" in out
+    assert f"sequences        {blocks // 16} of 256 tokens fit at once" in out
+    assert "longest context  512 tokens" in out and "nothing fits" not in out
+    assert main(["plan", DEFAULT_MODEL, "--gpu-memory", "64MiB", "--kv-cache-dtype", "int8",
+                 "--dtype", "bfloat16"]) == 0
+    out = capsys.readouterr().out
+    assert "KV cache dtype   int8 (per-head scales): 2.00x the tokens of a bfloat16 cache" in out
+    assert f"KV per token     {per_token // 2} bytes" in out
+
+
+def test_cli_says_what_to_change_when_nothing_fits(capsys: pytest.CaptureFixture[str]) -> None:
+    weights = weight_bytes(TENSORS, "float16")
+    gpu = weights + 100_000  # 90,000 bytes of KV: 8 blocks of 16 x 640 bytes = 128 tokens
+    assert main(["plan", DEFAULT_MODEL, "--gpu-memory", str(gpu),
+                 "--max-model-len", "256"]) == 1
+    out = capsys.readouterr().out
+    assert "sequences        0 of 256 tokens fit at once" in out
+    assert "longest context  128 tokens for one sequence" in out
+    assert "  - lower --max-model-len to 128 or less" in out
+    assert "  - --kv-cache-dtype fp8_e4m3: 1 sequence(s) of 256 tokens fit" in out
+    # 2 ranks: half the KV heads each (320 bytes a token), 90,000 + half the matrices' bytes
+    assert "  - --tensor-parallel-size 2: 3 sequence(s) fit per GPU set" in out
+    assert main(["plan", DEFAULT_MODEL, "--gpu-memory", "100000"]) == 1
+    assert "the weights alone" in capsys.readouterr().out
+
+
+def test_cli_refuses_a_bad_kv_dtype(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["plan", DEFAULT_MODEL, "--kv-cache-dtype", "fp4"])
+    err = capsys.readouterr().err
+    assert "argument --kv-cache-dtype: invalid choice: 'fp4'" in err
+    assert all(name in err.split("choose from")[1] for name in ("auto", "fp8_e4m3", "int8"))
+
+
+def test_the_docs_gpu_table_is_the_planners() -> None:
+    """docs/memory-planner.md's table is what ``benchmarks/plan_gpu_table.py`` prints."""
+    import sys
+
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    sys.path.insert(0, os.path.join(root, "benchmarks"))
+    from plan_gpu_table import table
+
+    with open(os.path.join(root, "docs", "memory-planner.md"), encoding="utf-8") as f:
+        assert table() in f.read()
