@@ -200,14 +200,15 @@ class CacheConfig:
         kv_cache_memory: KV cache budget in bytes, turned into blocks at start-up.
             Default when neither is set: 256 MiB (CPU) or 90% of free GPU memory.
         enable_prefix_caching: reuse the KV of full blocks whose token prefix was computed
-            before (automatic prefix caching, vLLM's ``--enable-prefix-caching``); off by
-            default.
+            before (automatic prefix caching, vLLM's ``--enable-prefix-caching``); on by
+            default, as in vLLM V1 (its cost on a workload with no shared prefix is in
+            ``benchmarks/prefix_caching_cost.py``).
     """
 
     block_size: int = 16
     num_gpu_blocks: int | None = None
     kv_cache_memory: int | None = None
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         _check(self.block_size in (8, 16, 32), "block_size", "8, 16 or 32", self.block_size)

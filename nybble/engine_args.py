@@ -61,9 +61,11 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     parser.add_argument("--kv-cache-memory", type=_parse_bytes, default=None,
                         help="KV-cache budget in bytes, e.g. 256MiB (default: 256MiB on CPU, "
                              "90%% of free memory on GPU)")
-    parser.add_argument("--enable-prefix-caching", action="store_true",
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=True,
                         help="reuse the KV cache of full blocks whose token prefix was "
-                             "computed before (automatic prefix caching; default: off)")
+                             "computed before (automatic prefix caching; default: on, as in "
+                             "vLLM V1; --no-enable-prefix-caching turns it off)")
     parser.add_argument("--max-num-seqs", type=int, default=256,
                         help="most sequences in one engine step")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048,

@@ -52,9 +52,11 @@ class SamplingParams:
             batched. The probabilities they pick from can, in the last bits: see
             docs/serving.md ("Seeds and batching") for when the same seed can give a
             different continuation.
-        max_tokens: maximum number of generated tokens, ``>= 1``; ``None``: the rest of the
+        max_tokens: maximum number of generated tokens, ``>= 0``; ``None``: the rest of the
             context (``max_model_len`` minus the prompt). Prompt + ``max_tokens`` must fit
-            in ``max_model_len``.
+            in ``max_model_len``. ``0`` generates nothing (every sample ends empty with
+            ``finish_reason`` ``"length"``): with ``prompt_logprobs``, scoring a prompt,
+            which may then fill the whole context.
         stop: strings that end generation; they are not included in the output text.
             Non-empty strings.
         stop_token_ids: token ids that end generation (kept in ``token_ids``); ids of the
@@ -62,7 +64,19 @@ class SamplingParams:
         ignore_eos: keep generating past the model's EOS ids.
         logprobs: number of top log-probabilities returned per generated token (``None``:
             none); ``0 <= logprobs <= min(max_logprobs, vocabulary size)``.
+        prompt_logprobs: number of top log-probabilities returned per prompt token (``None``:
+            none; ``0``: only the prompt token's own), in ``RequestOutput.prompt_logprobs``;
+            same range as ``logprobs``. Such a request skips the prefix cache (every prompt
+            position must be computed), as in vLLM.
+        best_of: generate ``best_of`` samples and return the ``n`` with the highest
+            cumulative logprob (OpenAI/vLLM); ``None`` means ``n``; ``n <= best_of <=
+            max_num_seqs``.
         skip_special_tokens: drop special tokens from the detokenized text.
+        spaces_between_special_tokens: with ``skip_special_tokens=False``, put a space
+            between a special token and the text next to it (vLLM's option, the rule of
+            transformers' slow tokenizers).
+        include_stop_str_in_output: keep the stop string that ended a sample at the end of
+            its text.
     """
 
     n: int = 1
@@ -77,6 +91,10 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None
+    best_of: int | None = None
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     stop_list: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -89,6 +107,11 @@ class SamplingParams:
             self.top_k = -1
         if type(self.seed) is int and self.seed == NO_SEED:
             self.seed = None
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences the engine runs for this request: ``best_of``, else ``n``."""
+        return self.n if self.best_of is None else self.best_of
 
     @property
     def greedy(self) -> bool:

@@ -25,6 +25,7 @@ from nybble.runtime.batch import ScheduledBatch
 from nybble.runtime.cuda_graphs import DecodeGraphs, capture_sizes
 from nybble.runtime.host_memory import retain_freed_memory
 from nybble.runtime.kv_cache import KVCacheSpec, allocate_kv_cache
+from nybble.runtime.prompt_logprobs import PromptLogprobsChunk, PromptLogprobsTracker
 from nybble.runtime.sampler import sample
 from nybble.runtime.sampling_table import SamplingTable
 from nybble.runtime.step_inputs import StepInputs
@@ -41,12 +42,15 @@ class ModelRunnerOutput:
             or ``None`` when no row asked for logprobs.
         top_token_ids, top_logprobs: ``int64[S, k]`` / ``float32[S, k]``, the ``k`` most
             likely ids of each row (``k``: the largest ``logprobs`` asked for), or ``None``.
+        prompt_logprobs: the prompt logprobs scored in this step (one chunk per sequence
+            that asked and had prompt positions in the batch), or ``None``.
     """
 
     token_ids: np.ndarray
     logprobs: np.ndarray | None
     top_token_ids: np.ndarray | None
     top_logprobs: np.ndarray | None
+    prompt_logprobs: list[PromptLogprobsChunk] | None = None
 
 
 def _host(t: torch.Tensor | None) -> np.ndarray | None:
@@ -73,6 +77,7 @@ class ModelRunner:
         self.kv_caches = allocate_kv_cache(spec, device)
         self.generator = torch.Generator(device=device).manual_seed(config.model_config.seed)
         self.sampling = SamplingTable(loaded.shape.vocab_size, device)
+        self.prompt_logprobs = PromptLogprobsTracker()
         sc, cc = config.scheduler_config, config.compilation_config
         self.inputs = StepInputs(device, sc.max_num_batched_tokens, sc.max_num_seqs,
                                  -(-loaded.max_model_len // spec.block_size))
@@ -88,13 +93,19 @@ class ModelRunner:
                 self.model, self.kv_caches, capture_sizes(sc.max_num_seqs, cc.cuda_graph_sizes),
                 self.inputs, loaded.max_model_len, capture=True)
 
-    def add_request(self, first_seq_id: int, params: SamplingParams) -> None:
-        """Add the sampling rows of a request's ``params.n`` sequences (at admission)."""
+    def add_request(self, first_seq_id: int, params: SamplingParams,
+                    prompt_token_ids: Iterable[int] = ()) -> None:
+        """Add the sampling rows of a request's ``params.num_sequences`` sequences (at
+        admission), and track its prompt when it asks for ``prompt_logprobs``."""
         self.sampling.add(first_seq_id, params)
+        if params.prompt_logprobs is not None:
+            self.prompt_logprobs.add(first_seq_id, prompt_token_ids, params.prompt_logprobs)
 
     def remove_sequences(self, seq_ids: Iterable[int]) -> None:
-        """Drop the sampling rows of finished or aborted sequences."""
+        """Drop the sampling rows (and prompt tracking) of finished or aborted sequences."""
+        seq_ids = list(seq_ids)
         self.sampling.remove(seq_ids)
+        self.prompt_logprobs.remove(seq_ids)
 
     def _copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
         """Copy-on-write: duplicate KV blocks ``src[i] -> dst[i]`` in every layer."""
@@ -142,9 +153,11 @@ class ModelRunner:
         else:
             input_ids, positions, meta = self.prepare(batch)
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        prompt_logprobs = self.prompt_logprobs.compute(hidden, batch,
+                                                       self.model.compute_logits)
         logits = self.model.compute_logits(self._sampled_hidden(hidden, batch))
         out = sample(logits, self.sampling.batch(batch.sample_seq_ids), self.generator)
         return ModelRunnerOutput(
             token_ids=_host(out.token_ids).astype(np.int32),
             logprobs=_host(out.logprobs), top_token_ids=_host(out.top_ids),
-            top_logprobs=_host(out.top_logprobs))
+            top_logprobs=_host(out.top_logprobs), prompt_logprobs=prompt_logprobs)

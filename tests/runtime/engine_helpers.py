@@ -2,17 +2,35 @@
 check that it is idle with nothing leaked."""
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
 
 from nybble.config import DEFAULT_MODEL
+from nybble.outputs import RequestOutput
 from nybble.runtime.engine import LLMEngine
+from nybble.sampling_params import SamplingParams
 
 
 def make_engine(**kw: Any) -> LLMEngine:
     """An engine on the bundled stories260k model with ``kw`` engine arguments."""
     return LLMEngine.from_engine_args(DEFAULT_MODEL, **kw)
+
+
+def run_requests(engine: LLMEngine,
+                 requests: Iterable[tuple[str, str | Sequence[int], SamplingParams]]
+                 ) -> dict[str, RequestOutput]:
+    """Add every ``(request_id, prompt, params)``, step until all are done; the final output
+    of each request id."""
+    for rid, prompt, params in requests:
+        engine.add_request(rid, prompt, params)
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    return finals
 
 
 def assert_idle_and_clean(engine: LLMEngine) -> None:
