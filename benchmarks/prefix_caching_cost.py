@@ -59,12 +59,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     load_before = os.getloadavg()
     engines = {on: LLM(DEFAULT_MODEL, enable_prefix_caching=on, max_num_seqs=args.max_num_seqs,
                        threads=1) for on in (True, False)}
-    prompts = make_prompts(args.num_prompts, args.input_len, 512, seed=0)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     for llm in engines.values():   # warm-up (allocator, first-call costs)
-        time_run(llm, prompts[:4], params)
+        time_run(llm, make_prompts(4, args.input_len, 512, seed=10_000), params)
     runs: dict[bool, list[float]] = {True: [], False: []}
     for r in range(args.repeats):
+        # NOTE: fresh prompts each repeat (the cache outlives a run), the same for both
+        prompts = make_prompts(args.num_prompts, args.input_len, 512, seed=r)
         for on in ((True, False) if r % 2 == 0 else (False, True)):
             runs[on].append(time_run(engines[on], prompts, params))
     hits = engines[True].llm_engine.get_stats().num_cached_tokens_total

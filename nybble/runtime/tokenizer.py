@@ -202,9 +202,11 @@ class Tokenizer:
                          if t.special)
 
     def text_stream(self, context_ids: Sequence[int], skip_special_tokens: bool,
-                    spaces_between_special_tokens: bool = True) -> TextStream:
+                    spaces_between_special_tokens: bool = False) -> TextStream:
         """A streaming decoder primed with ``context_ids`` (their text is not returned), so
-        the first new token keeps the leading space it has after that context."""
+        the first new token keeps the leading space it has after that context; it decodes as
+        :meth:`decode` does unless ``spaces_between_special_tokens`` (see
+        :class:`TextStream`)."""
         return TextStream(self, context_ids, skip_special_tokens,
                           spaces_between_special_tokens)
 
@@ -249,7 +251,7 @@ class TextStream:
     """
 
     def __init__(self, tokenizer: Tokenizer, context_ids: Sequence[int],
-                 skip_special_tokens: bool, spaces_between_special_tokens: bool = True) -> None:
+                 skip_special_tokens: bool, spaces_between_special_tokens: bool = False) -> None:
         self._tok = tokenizer
         self._skip = skip_special_tokens
         self._spaces = spaces_between_special_tokens and not skip_special_tokens

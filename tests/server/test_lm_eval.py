@@ -104,5 +104,8 @@ def test_lm_eval_local_completions_equals_transformers(tmp_path, monkeypatch) ->
             assert bool(greedy) == bool(greedy_ref)
     assert ours["results"]["stories_mc"]["acc,none"] == ref["results"]["stories_mc"]["acc,none"]
     got_gen, want_gen = _responses(ours, "stories_gen"), _responses(ref, "stories_gen")
-    assert len(got_gen) == NUM_DOCS and got_gen == want_gen
-    assert any(g[0].strip() for g in got_gen)
+    assert len(got_gen) == NUM_DOCS
+    # NOTE: the hf model decodes the continuation's tokens alone, which drops SentencePiece's
+    # leading space ("The"); the server's text keeps it (" The"), as OpenAI's and vLLM's do
+    assert [g[0].lstrip() for g in got_gen] == [w[0].lstrip() for w in want_gen]
+    assert sum(bool(g[0].strip()) for g in got_gen) >= NUM_DOCS // 2
