@@ -85,7 +85,10 @@ def test_echo_logprobs_with_generated_tokens(server: Server, hf, hf_tok) -> None
     assert len(lp["tokens"]) == n + 5
     _check_echoed(hf, ids, lp, choice["text"], 1)
     assert lp["tokens"][n:] == plain["logprobs"]["tokens"]
-    assert lp["token_logprobs"][n:] == plain["logprobs"]["token_logprobs"]
+    # NOTE: equal up to float32 rounding: the plain request may reuse cached prefix blocks,
+    # the scoring one computes the whole prompt in other batch shapes
+    assert lp["token_logprobs"][n:] == pytest.approx(plain["logprobs"]["token_logprobs"],
+                                                     abs=TOL)
     # the generated tokens' offsets index the whole text: they start after the echo
     assert lp["text_offset"][n:] == [len(PROMPTS[0]) + o
                                      for o in plain["logprobs"]["text_offset"]]
