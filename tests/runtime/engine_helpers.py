@@ -34,8 +34,8 @@ def run_requests(engine: LLMEngine,
 
 
 def assert_idle_and_clean(engine: LLMEngine) -> None:
-    """Nothing runs or waits, every KV block is free (no reference left), no sampling row,
-    no request on either side, and the load gauges read 0."""
+    """Nothing runs or waits, every KV block is free (no reference left), no sampling row or
+    prompt-logprobs tracking, no request on either side, and the load gauges read 0."""
     stats = engine.get_stats()
     assert stats.num_running == stats.num_waiting == 0
     assert stats.num_free_blocks == stats.num_blocks and stats.kv_cache_usage == 0.0
@@ -43,5 +43,6 @@ def assert_idle_and_clean(engine: LLMEngine) -> None:
     state = engine.scheduler.debug_state()
     assert int(np.count_nonzero(state["ref_counts"])) == 0 and not state["seqs"]
     assert len(engine.engine_core.runner.sampling) == 0, "sampling rows leaked"
+    assert len(engine.engine_core.runner.prompt_logprobs) == 0, "prompt tracking leaked"
     assert not engine.engine_core.has_unfinished_requests()
     assert not engine.has_unfinished_requests() and not engine.requests
