@@ -202,8 +202,9 @@ class CacheConfig:
         kv_cache_memory: KV cache budget in bytes, turned into blocks at start-up.
             Default when neither is set: 256 MiB (CPU) or 90% of free GPU memory.
         enable_prefix_caching: reuse the KV of full blocks whose token prefix was computed
-            before (automatic prefix caching, vLLM's ``--enable-prefix-caching``); off by
-            default.
+            before (automatic prefix caching, vLLM's ``--enable-prefix-caching``); on by
+            default, as in vLLM V1 (its cost on a workload with no shared prefix is in
+            ``benchmarks/prefix_caching_cost.py``).
         kv_cache_dtype: ``auto`` (the model's dtype), ``int8`` or ``fp8_e4m3``: one byte per
             element with per-head scales calibrated at start-up, so a budget holds about
             twice the tokens of a 16-bit cache (vLLM's ``--kv-cache-dtype``; see
@@ -213,7 +214,7 @@ class CacheConfig:
     block_size: int = 16
     num_gpu_blocks: int | None = None
     kv_cache_memory: int | None = None
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:

@@ -64,9 +64,11 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     parser.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                         help="KV-cache storage: auto (the model's dtype), int8 or fp8_e4m3 "
                              "(one byte per element, per-head scales: about 2x the tokens)")
-    parser.add_argument("--enable-prefix-caching", action="store_true",
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=True,
                         help="reuse the KV cache of full blocks whose token prefix was "
-                             "computed before (automatic prefix caching; default: off)")
+                             "computed before (automatic prefix caching; default: on, as in "
+                             "vLLM V1; --no-enable-prefix-caching turns it off)")
     parser.add_argument("--max-num-seqs", type=int, default=256,
                         help="most sequences in one engine step")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048,

@@ -18,8 +18,9 @@ class CompletionOutput:
             token and the top-``logprobs`` tokens; ``None`` when not requested.
         stop_reason: the stop string or the ``stop_token_ids`` entry that ended the sample;
             ``None`` otherwise, also when the model's EOS token ended it (OpenAI/vLLM).
-        cumulative_logprob: beam search only: the sum of the natural-log probabilities of
-            the generated tokens (``None`` otherwise).
+        cumulative_logprob: sum of the logprobs of ``token_ids`` so far (the whole sample's,
+            also in a delta output), when they were computed (``logprobs`` or ``best_of``
+            asked, or beam search), else ``None``.
     """
 
     index: int
@@ -58,6 +59,10 @@ class RequestOutput:
         finished: all samples have ended.
         metrics: the request's timestamps.
         num_new_tokens: tokens generated in the step that produced this output (all samples).
+        prompt_logprobs: with ``prompt_logprobs`` asked, per prompt token ``None`` (the first)
+            or ``{token_id: logprob}`` holding the prompt token and the top-``k`` tokens;
+            complete in the first output that has a generated token (a delta output carries
+            it once), else ``None``.
     """
 
     request_id: str
@@ -67,6 +72,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_new_tokens: int = 0
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     def add(self, later: RequestOutput) -> None:
         """Append a later DELTA output of the same request (vLLM's ``RequestOutput.add``).
@@ -95,11 +101,21 @@ class RequestOutput:
             into.stop_reason = o.stop_reason if o.stop_reason is not None else into.stop_reason
             if o.cumulative_logprob is not None:
                 into.cumulative_logprob = o.cumulative_logprob
+        if later.prompt_logprobs is not None:
+            self.prompt_logprobs = later.prompt_logprobs
         self.outputs.sort(key=lambda o: o.index)
         self.finished = later.finished
         self.metrics = later.metrics or self.metrics
         self.num_new_tokens += later.num_new_tokens
 
+    def keep_best(self, n: int) -> None:
+        """Keep the ``n`` samples with the highest ``cumulative_logprob`` (``best_of``, as
+        OpenAI and vLLM define it), best first, renumbered ``0 .. n-1``; ties keep the lower
+        index first. Call it on a whole (finished) result."""
+        ranked = sorted(self.outputs, key=lambda o: (-(o.cumulative_logprob or 0.0), o.index))
+        self.outputs = ranked[:n]
+        for i, o in enumerate(self.outputs):
+            o.index = i
 
 @dataclass
 class BeamSearchSequence:

@@ -77,9 +77,11 @@ class SamplingParams:
             batched. The probabilities they pick from can, in the last bits: see
             docs/serving.md ("Seeds and batching") for when the same seed can give a
             different continuation.
-        max_tokens: maximum number of generated tokens, ``>= 1``; ``None``: the rest of the
+        max_tokens: maximum number of generated tokens, ``>= 0``; ``None``: the rest of the
             context (``max_model_len`` minus the prompt). Prompt + ``max_tokens`` must fit
-            in ``max_model_len``.
+            in ``max_model_len``. ``0`` generates nothing (every sample ends empty with
+            ``finish_reason`` ``"length"``): with ``prompt_logprobs``, scoring a prompt,
+            which may then fill the whole context.
         stop: strings that end generation; they are not included in the output text.
             Non-empty strings.
         stop_token_ids: token ids that end generation (kept in ``token_ids``); ids of the
@@ -87,6 +89,13 @@ class SamplingParams:
         ignore_eos: keep generating past the model's EOS ids.
         logprobs: number of top log-probabilities returned per generated token (``None``:
             none); ``0 <= logprobs <= min(max_logprobs, vocabulary size)``.
+        prompt_logprobs: number of top log-probabilities returned per prompt token (``None``:
+            none; ``0``: only the prompt token's own), in ``RequestOutput.prompt_logprobs``;
+            same range as ``logprobs``. Such a request skips the prefix cache (every prompt
+            position must be computed), as in vLLM.
+        best_of: generate ``best_of`` samples and return the ``n`` with the highest
+            cumulative logprob (OpenAI/vLLM); ``None`` means ``n``; ``n <= best_of <=
+            max_num_seqs``.
         skip_special_tokens: drop special tokens from the detokenized text.
         use_beam_search: beam search instead of sampling (vLLM's extra parameter): the
             ``n`` best of ``beam_width`` beams are returned, best first. Needs
@@ -116,6 +125,11 @@ class SamplingParams:
             (vLLM's rule). Non-empty strings.
         allowed_token_ids: only these ids can be sampled; ids of the vocabulary, non-empty.
         guided_decoding: structured output (a grammar the output must follow), or ``None``.
+        spaces_between_special_tokens: with ``skip_special_tokens=False``, put a space
+            between a special token and the text next to it (vLLM's option, the rule of
+            transformers' slow tokenizers).
+        include_stop_str_in_output: keep the stop string that ended a sample at the end of
+            its text.
     """
 
     n: int = 1
@@ -142,6 +156,10 @@ class SamplingParams:
     bad_words: list[str] | None = None
     allowed_token_ids: list[int] | None = None
     guided_decoding: GuidedDecodingParams | None = None
+    prompt_logprobs: int | None = None
+    best_of: int | None = None
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     stop_list: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -166,6 +184,11 @@ class SamplingParams:
         """Whether any logit shaping applies (the runner then keeps a shaping row)."""
         return bool(self.logit_bias or self.min_tokens or self.penalized or self.bad_words
                     or self.allowed_token_ids or self.guided_decoding is not None)
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences the engine runs for this request: ``best_of``, else ``n``."""
+        return self.n if self.best_of is None else self.best_of
 
     @property
     def greedy(self) -> bool:

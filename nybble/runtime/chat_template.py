@@ -68,9 +68,16 @@ def compile_template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+"""Appended to the final message with ``continue_final_message``: where it lands in the
+rendered text is where that message's text ends (the end-of-turn after it is cut off)."""
+
+
 def render_chat_template(source: str, messages: list[dict[str, Any]],
                          add_generation_prompt: bool,
-                         special_tokens: dict[str, str | None]) -> str:
+                         special_tokens: dict[str, str | None],
+                         continue_final_message: bool = False,
+                         template_kwargs: dict[str, Any] | None = None) -> str:
     """The conversation as the prompt text the model was trained on.
 
     Args:
@@ -78,20 +85,49 @@ def render_chat_template(source: str, messages: list[dict[str, Any]],
         messages: ``[{"role": ..., "content": ...}, ...]``.
         add_generation_prompt: end with the header of an assistant turn.
         special_tokens: ``bos_token``, ``eos_token``, ... as the template names them.
+        continue_final_message: leave the final message open (assistant prefill): the text
+            ends where that message's content ends, without the end-of-turn the template
+            writes after it (transformers' rule: a marker appended to the content locates
+            that end; trailing spaces the template trimmed stay trimmed).
+        template_kwargs: extra variables for the template (``chat_template_kwargs``); they
+            override the special tokens of the same name.
 
     Raises:
         InvalidRequestError: the template refused the conversation (``raise_exception``,
             e.g. "roles must alternate") or failed to render it (any exception the template
-            raises on these messages: an undefined field, a type error...); ``param`` is
-            ``messages``.
+            raises on these messages: an undefined field, a type error...), or the final
+            message cannot be continued; ``param`` is ``messages``.
     """
+    if continue_final_message:
+        if add_generation_prompt:
+            raise InvalidRequestError("continue_final_message and add_generation_prompt must "
+                                      "not both be true", param="continue_final_message")
+        messages = [*messages[:-1], {**messages[-1],
+                                     "content": messages[-1]["content"] + _CONTINUE_TAG}]
     try:
         template = compile_template(source)
-        return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                               **special_tokens)
+        text = template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                               **{**special_tokens, **(template_kwargs or {})})
     except jinja2.TemplateError as e:
         raise InvalidRequestError(f"messages were refused by the chat template: {e}",
                                   param="messages") from None
     except Exception as e:  # noqa: BLE001 -- a template is a program run on user input
         raise InvalidRequestError(f"messages could not be rendered by the chat template: "
                                   f"{type(e).__name__}: {e}", param="messages") from None
+    return _cut_at_tag(text) if continue_final_message else text
+
+
+def _cut_at_tag(text: str) -> str:
+    """The rendered text up to the end of the final message (see ``continue_final_message``).
+
+    Raises:
+        InvalidRequestError: the template dropped the final message's text.
+    """
+    at = text.rfind(_CONTINUE_TAG.strip())
+    if at < 0:
+        raise InvalidRequestError("continue_final_message needs the final message's text in "
+                                  "the rendered prompt, but the chat template dropped it",
+                                  param="messages")
+    if text[at:at + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
+        return text[:at]
+    return text[:at].rstrip()    # NOTE: the template trimmed the message's trailing space

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from nybble.runtime.tokenizer import Tokenizer
+from nybble.sampling_params import SamplingParams
 
 _PROMPT_CONTEXT_TOKENS = 5  # prompt tokens that prime the stream (leading-space context)
 
@@ -28,21 +29,24 @@ class IncrementalDetokenizer:
     Args:
         tokenizer: the model's tokenizer.
         prompt_ids: the prompt's token ids (context for the first output token's spacing).
-        stop: stop strings (excluded from the text).
-        skip_special_tokens: drop special tokens (BOS/EOS...) from the text.
-        min_tokens: stop strings are matched only from output token ``min_tokens + 1`` on.
+        params: the sample's parameters: ``stop`` strings (excluded from the text unless
+            ``include_stop_str_in_output``), ``skip_special_tokens`` (drop BOS/EOS...)
+            and ``spaces_between_special_tokens``; stop strings are matched only from
+            output token ``min_tokens + 1`` on.
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], stop: list[str],
-                 skip_special_tokens: bool = True, min_tokens: int = 0) -> None:
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int],
+                 params: SamplingParams) -> None:
         self._stream = tokenizer.text_stream(prompt_ids[-_PROMPT_CONTEXT_TOKENS:],
-                                             skip_special_tokens)
-        self.stop = stop
-        self.hold = max((len(s) for s in stop), default=1) - 1
+                                             params.skip_special_tokens,
+                                             params.spaces_between_special_tokens)
+        self.stop = params.stop_list
+        self.include_stop = params.include_stop_str_in_output
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.text = ""  # all decoded output text (may include held-back characters)
         self.emitted = 0  # characters of self.text already returned as deltas
         self.stop_reason: str | None = None
-        self.min_tokens = min_tokens
+        self.min_tokens = params.min_tokens
         self.num_tokens = 0  # output tokens added
 
     def add_token(self, token_id: int) -> None:
@@ -66,7 +70,7 @@ class IncrementalDetokenizer:
             if pos >= 0 and (best is None or pos < best[0]):
                 best = (pos, s)
         if best is not None:
-            self.text = self.text[:best[0]]
+            self.text = self.text[:best[0] + (len(best[1]) if self.include_stop else 0)]
             self.stop_reason = best[1]
 
     def take_delta(self, finished: bool) -> str:

@@ -27,6 +27,7 @@ from nybble.runtime.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineStats,
+    PromptLogprobs,
     RequestLimits,
 )
 from nybble.runtime.model_runner import ModelRunner
@@ -165,7 +166,7 @@ class EngineCore:
             InvalidRequestError: the grammar engine cannot compile the request's
                 structured-output constraint.
         """
-        rid, n = request.request_id, request.params.n
+        rid, n = request.request_id, request.params.num_sequences
         if rid in self._requests or rid in self.beams.requests:
             raise ValueError(f"request_id must be new to the engine core, got {rid!r} twice")
         if request.params.use_beam_search:
@@ -179,7 +180,10 @@ class EngineCore:
         seq_id = self._next_seq_id
         try:
             self.runner.add_request(seq_id, request, matchers)
-            self.scheduler.add(seq_id, prompt, request.max_tokens, stops, n)
+            # NOTE: max_tokens 0 (scoring only) runs as 1 and the output side drops the
+            # token; every prompt position must be computed for prompt logprobs
+            self.scheduler.add(seq_id, prompt, max(request.max_tokens, 1), stops, n,
+                               skip_prefix_cache=request.params.prompt_logprobs is not None)
         except BaseException:
             self.runner.remove_sequences(range(seq_id, seq_id + n))
             raise
@@ -306,6 +310,11 @@ class EngineCore:
         outputs.logprobs = _as_list(result.logprobs)
         outputs.top_token_ids = _as_list(result.top_token_ids)
         outputs.top_logprobs = _as_list(result.top_logprobs)
+        if result.prompt_logprobs:
+            outputs.prompt_logprobs = [
+                PromptLogprobs(self._seqs[c.seq_id][0], c.start, c.logprobs.tolist(),
+                               c.top_token_ids.tolist(), c.top_logprobs.tolist())
+                for c in result.prompt_logprobs]
         self._last_ids, self._last_lens = batch.seq_ids.copy(), batch.seq_lens.copy()
         self._last_finished = []
         for sid in seq_ids.tolist():

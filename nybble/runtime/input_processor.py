@@ -7,14 +7,15 @@ into a 400 with an OpenAI error body). The gate resolves ``max_tokens=None`` to 
 the context of *this* prompt, turns a ``top_p`` too small for float32 (:data:`FLOAT32_TINY`)
 into greedy sampling, and checks, in order:
 
-1. every sampling range (``n``, ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``,
-   ``max_tokens``, ``logprobs`` against ``max_logprobs`` and the vocabulary, ``stop``,
-   ``stop_token_ids`` in the vocabulary; the table is in docs/serving.md), and the logit
-   shaping and structured-output parameters (:mod:`nybble.runtime.shaping_checks`);
+1. every sampling range (``n``, ``best_of`` (``>= n``), ``temperature``, ``top_p``,
+   ``top_k``, ``min_p``, ``seed``, ``max_tokens`` (``0``: score the prompt only),
+   ``logprobs`` and ``prompt_logprobs`` against ``max_logprobs`` and the vocabulary,
+   ``stop``, ``stop_token_ids`` in the vocabulary; the table is in docs/serving.md), and the
+   logit shaping and structured-output parameters (:mod:`nybble.runtime.shaping_checks`);
 2. the prompt: non-empty, every id in the vocabulary;
 3. prompt + ``max_tokens`` within ``max_model_len`` (one message, naming both numbers);
-4. ``n`` (or the beam width) within ``max_num_seqs`` (the samples of a request run in one
-   batch);
+4. ``n`` (``best_of`` when set, or the beam width) within ``max_num_seqs`` (the samples of a
+   request run in one batch);
 5. the request fits the whole KV pool (``KVCacheExhaustedError``), so the scheduler, which
    only asserts, can always run the oldest sequence alone (a beam-search request: all its
    beams, unshared).
@@ -69,8 +70,10 @@ DEFAULT_NAMES = ParamNames()
 
 _BEAM_NEUTRAL = (("logit_bias", None), ("min_tokens", 0), ("repetition_penalty", 1.0),
                  ("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("bad_words", None),
-                 ("allowed_token_ids", None), ("guided_decoding", None))
-"""Logit-shaping parameters beam search does not apply, with their neutral values."""
+                 ("allowed_token_ids", None), ("guided_decoding", None), ("best_of", None),
+                 ("prompt_logprobs", None))
+"""Parameters beam search does not apply (logit shaping, best_of, prompt logprobs), with
+their neutral values."""
 
 
 def _fail(name: str, allowed: str, value: object) -> InvalidRequestError:
@@ -123,8 +126,13 @@ class InputProcessor:
             ids = [int(t) for t in prompt]
         self.check_token_ids(ids, names.prompt)
         max_tokens = self._resolve_max_tokens(len(ids), params.max_tokens, names)
-        width = params.n if params.beam_width is None else params.beam_width
-        self._check_capacity(len(ids), max_tokens, width, names, params.use_beam_search)
+        if params.use_beam_search:
+            width = params.n if params.beam_width is None else params.beam_width
+            self._check_capacity(len(ids), max_tokens, width, names, all_at_once=True,
+                                 n_name="n" if params.beam_width is None else "beam_width")
+        else:
+            self._check_capacity(len(ids), max(max_tokens, 1), params.num_sequences, names,
+                                 n_name="n" if params.best_of is None else "best_of")
         stop_ids = list(params.stop_token_ids or [])
         if not params.ignore_eos:
             stop_ids += [t for t in self.eos_token_ids if t not in stop_ids]
@@ -167,6 +175,8 @@ class InputProcessor:
         self._check_beam(p, names)   # NOTE: first: the beam width is the offline API's n
         if not _is_int(p.n) or p.n < 1:
             raise _fail("n", "an integer >= 1", p.n)
+        if p.best_of is not None and (not _is_int(p.best_of) or p.best_of < p.n):
+            raise _fail("best_of", f"an integer >= n ({p.n})", p.best_of)
         if not _is_real(p.temperature) or not 0 <= p.temperature <= FLOAT32_MAX:
             raise _fail("temperature", f"a finite number >= 0 (at most {FLOAT32_MAX:.7g}, "
                         f"float32's largest)", p.temperature)
@@ -179,14 +189,13 @@ class InputProcessor:
             raise _fail("min_p", "in [0, 1]", p.min_p)
         if p.seed is not None and (not _is_int(p.seed) or not SEED_MIN <= p.seed <= SEED_MAX):
             raise _fail("seed", f"an integer in [{SEED_MIN}, {SEED_MAX}] (-1: no seed)", p.seed)
-        if p.max_tokens is not None and (not _is_int(p.max_tokens) or p.max_tokens < 1):
-            raise _fail(names.max_tokens, ">= 1", p.max_tokens)
-        if p.logprobs is not None:
-            cap = min(self.limits.max_logprobs, self.limits.vocab_size)
-            if not _is_int(p.logprobs) or not 0 <= p.logprobs <= cap:
-                raise _fail(names.logprobs, f"in [0, {cap}] (max_logprobs "
-                            f"{self.limits.max_logprobs}, vocabulary {self.limits.vocab_size} "
-                            f"tokens)", p.logprobs)
+        if p.max_tokens is not None and (not _is_int(p.max_tokens) or p.max_tokens < 0):
+            raise _fail(names.max_tokens, ">= 0", p.max_tokens)
+        cap = min(self.limits.max_logprobs, self.limits.vocab_size)
+        for name, value in ((names.logprobs, p.logprobs), ("prompt_logprobs", p.prompt_logprobs)):
+            if value is not None and (not _is_int(value) or not 0 <= value <= cap):
+                raise _fail(name, f"in [0, {cap}] (max_logprobs {self.limits.max_logprobs}, "
+                            f"vocabulary {self.limits.vocab_size} tokens)", value)
         if any(not isinstance(s, str) or not s for s in p.stop_list):
             raise _fail("stop", "non-empty strings", p.stop)
         self.check_token_ids(p.stop_token_ids or [], "stop_token_ids", allow_empty=True)
@@ -239,7 +248,7 @@ class InputProcessor:
         """``max_tokens``, or the rest of the context when ``None``; the length check."""
         limit = self.limits.max_model_len
         resolved = limit - num_prompt if max_tokens is None else max_tokens
-        least = max(resolved, 1)
+        least = 0 if max_tokens == 0 else max(resolved, 1)  # NOTE: 0 scores a full context
         if num_prompt + least > limit:
             why = "" if max_tokens is not None else \
                 f" ({names.max_tokens} was not set: the prompt leaves no room to generate)"
@@ -251,14 +260,15 @@ class InputProcessor:
         return resolved
 
     def _check_capacity(self, num_prompt: int, max_tokens: int, n: int,
-                        names: ParamNames, all_at_once: bool = False) -> None:
-        """``n`` within ``max_num_seqs``; the request's longest sequence within the pool
-        (``all_at_once``: ``n`` of them, the beams of a beam search, which advance
-        together)."""
+                        names: ParamNames, all_at_once: bool = False,
+                        n_name: str = "n") -> None:
+        """``n`` (named ``n_name``) within ``max_num_seqs``; the request's longest sequence
+        within the pool (``all_at_once``: ``n`` of them, the beams of a beam search, which
+        advance together)."""
         cap = self.limits.max_num_seqs
         if n > cap:
-            raise InvalidRequestError(f"n must be <= {cap} (max_num_seqs: the samples of a "
-                                      f"request run in one batch), got {n}", param="n")
+            raise InvalidRequestError(f"{n_name} must be <= {cap} (max_num_seqs: the samples "
+                                      f"of a request run in one batch), got {n}", param=n_name)
         lim = self.limits
         total = min(num_prompt + max_tokens, lim.max_model_len)
         need = -(-total // lim.block_size) * (n if all_at_once else 1)

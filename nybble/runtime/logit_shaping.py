@@ -98,7 +98,7 @@ class LogitShaping:
 
     def add(self, first_seq_id: int, request: EngineCoreRequest,
             matchers: list[GrammarMatcher] | None = None) -> None:
-        """Add the rows of a request's ``n`` sequences if its parameters shape the logits
+        """Add the rows of a request's ``num_sequences`` sequences if its parameters shape the logits
         (else nothing). ``matchers``: one grammar matcher per sample, for structured output.
 
         Raises:
@@ -107,15 +107,15 @@ class LogitShaping:
         p = request.params
         if not (p.shaped or request.bad_words_token_ids):
             return
-        ids = range(first_seq_id, first_seq_id + p.n)
+        ids = range(first_seq_id, first_seq_id + p.num_sequences)
         if any(s in self._slot for s in ids):
             raise ValueError(f"sequence ids {ids.start}..{ids.stop - 1} must be new")
         static = static_row(request, self.vocab_size, self.device)
         multi = [(tuple(w[:-1]), w[-1]) for w in request.bad_words_token_ids if len(w) > 1]
         prompt = torch.tensor(request.prompt_token_ids, dtype=torch.int64, device=self.device)
         stops = np.asarray(request.stop_token_ids, np.int64) if p.min_tokens else None
-        if len(self._free) < p.n:
-            self._grow(max(2 * self._cap, len(self._slot) + p.n))
+        if len(self._free) < len(ids):
+            self._grow(max(2 * self._cap, len(self._slot) + len(ids)))
         h = self._host
         for i, seq_id in enumerate(ids):
             row = self._free.pop()

@@ -106,6 +106,24 @@ class EngineCoreRequest(msgspec.Struct, frozen=True):
         return self.params.max_tokens
 
 
+class PromptLogprobs(msgspec.Struct):
+    """Logprobs of some prompt tokens of one request, computed in one step (a prefill chunk).
+
+    Attributes:
+        request_id: the request.
+        start: index in the prompt of the first token here (>= 1: token 0 has none).
+        logprobs: ``L`` logprobs of prompt tokens ``start .. start + L - 1``.
+        top_token_ids, top_logprobs: ``L`` rows of the ``prompt_logprobs`` most likely
+            tokens at each position (empty rows when it is 0).
+    """
+
+    request_id: str
+    start: int
+    logprobs: list[float]
+    top_token_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+
 class EngineCoreOutputs(msgspec.Struct, tag=True):
     """What one core step produced, column by column: row ``r`` is one sampled sequence.
 
@@ -119,6 +137,9 @@ class EngineCoreOutputs(msgspec.Struct, tag=True):
             asked for logprobs.
         top_token_ids, top_logprobs: ``S`` rows of the ``k`` most likely tokens (``k`` = the
             largest ``logprobs`` asked for in the step), or ``None``.
+        prompt_logprobs: prompt logprobs computed in this step (requests asking for
+            ``prompt_logprobs``; a chunked prompt's come over several steps, all before or
+            with its first sampled token), or ``None``.
         first_scheduled: ids of the requests scheduled for the first time in this step.
         cumulative_logprobs: per beam-search request that ended in this step, the
             cumulative log-probability of each returned beam (by sample index); its rows
@@ -135,6 +156,7 @@ class EngineCoreOutputs(msgspec.Struct, tag=True):
     logprobs: list[float] | None = None
     top_token_ids: list[list[int]] | None = None
     top_logprobs: list[list[float]] | None = None
+    prompt_logprobs: list[PromptLogprobs] | None = None
     first_scheduled: list[str] = msgspec.field(default_factory=list)
     cumulative_logprobs: dict[str, list[float]] | None = None
     scheduled_time: float = 0.0

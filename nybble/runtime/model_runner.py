@@ -15,7 +15,7 @@ numpy arrays.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -30,6 +30,7 @@ from nybble.runtime.host_memory import retain_freed_memory
 from nybble.runtime.kv_cache import KVCacheSpec, allocate_kv_cache
 from nybble.runtime.logit_shaping import LogitShaping
 from nybble.runtime.messages import EngineCoreRequest
+from nybble.runtime.prompt_logprobs import PromptLogprobsChunk, PromptLogprobsTracker
 from nybble.runtime.sampler import sample
 from nybble.runtime.sampling_table import SamplingTable
 from nybble.runtime.step_inputs import StepInputs
@@ -48,20 +49,25 @@ class ModelRunnerOutput:
             likely ids of each row (``k``: the largest ``logprobs`` asked for), or ``None``.
         grammar_ended: sequence ids whose grammar ended with this step's token (structured
             output): the engine core finishes them.
+        prompt_logprobs: the prompt logprobs scored in this step (one chunk per sequence
+            that asked and had prompt positions in the batch), or ``None``.
     """
 
     token_ids: np.ndarray
     logprobs: np.ndarray | None
     top_token_ids: np.ndarray | None
     top_logprobs: np.ndarray | None
-    grammar_ended: list[int]
+    grammar_ended: list[int] = field(default_factory=list)
+    prompt_logprobs: list[PromptLogprobsChunk] | None = None
 
     def select(self, keep: np.ndarray) -> ModelRunnerOutput:
-        """The rows where ``keep`` (``bool[S]``) is true."""
+        """The rows where ``keep`` (``bool[S]``) is true (the per-sequence fields are
+        kept whole)."""
         def pick(a: np.ndarray | None) -> np.ndarray | None:
             return None if a is None else a[keep]
         return ModelRunnerOutput(self.token_ids[keep], pick(self.logprobs),
-                                 pick(self.top_token_ids), pick(self.top_logprobs))
+                                 pick(self.top_token_ids), pick(self.top_logprobs),
+                                 self.grammar_ended, self.prompt_logprobs)
 
 
 def _host(t: torch.Tensor | None) -> np.ndarray | None:
@@ -89,6 +95,7 @@ class ModelRunner:
         self.generator = torch.Generator(device=device).manual_seed(config.model_config.seed)
         self.sampling = SamplingTable(loaded.shape.vocab_size, device)
         self.shaping = LogitShaping(loaded.shape.vocab_size, device)
+        self.prompt_logprobs = PromptLogprobsTracker()
         sc, cc = config.scheduler_config, config.compilation_config
         self.inputs = StepInputs(device, sc.max_num_batched_tokens, sc.max_num_seqs,
                                  -(-loaded.max_model_len // spec.block_size))
@@ -107,20 +114,27 @@ class ModelRunner:
     def add_request(self, first_seq_id: int, request: EngineCoreRequest,
                     matchers: list[GrammarMatcher] | None = None) -> None:
         """Add the sampling rows (and logit-shaping rows, if it shapes) of a request's
-        ``n`` sequences at admission; ``matchers``: one per sample for structured output.
-        All or nothing."""
-        self.sampling.add(first_seq_id, request.params)
+        ``params.num_sequences`` sequences at admission, and track its prompt when it asks
+        for ``prompt_logprobs``; ``matchers``: one per sample for structured output. All or
+        nothing."""
+        params = request.params
+        self.sampling.add(first_seq_id, params)
         try:
             self.shaping.add(first_seq_id, request, matchers)
+            if params.prompt_logprobs is not None:
+                self.prompt_logprobs.add(first_seq_id, request.prompt_token_ids,
+                                         params.prompt_logprobs)
         except BaseException:
-            self.sampling.remove(range(first_seq_id, first_seq_id + request.params.n))
+            self.remove_sequences(range(first_seq_id, first_seq_id + params.num_sequences))
             raise
 
     def remove_sequences(self, seq_ids: Iterable[int]) -> None:
-        """Drop the sampling and shaping rows of finished or aborted sequences."""
+        """Drop the sampling and shaping rows (and prompt tracking) of finished or aborted
+        sequences."""
         seq_ids = list(seq_ids)
         self.sampling.remove(seq_ids)
         self.shaping.remove(seq_ids)
+        self.prompt_logprobs.remove(seq_ids)
 
     def _copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
         """Copy-on-write: duplicate KV blocks ``src[i] -> dst[i]`` in every layer."""
@@ -169,6 +183,8 @@ class ModelRunner:
         else:
             input_ids, positions, meta = self.prepare(batch)
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        prompt_logprobs = self.prompt_logprobs.compute(hidden, batch,
+                                                       self.model.compute_logits)
         logits = self.model.compute_logits(self._sampled_hidden(hidden, batch))
         seq_ids = batch.sample_seq_ids
         shaped = self.shaping.apply(logits, seq_ids) if len(self.shaping) else logits
@@ -178,4 +194,5 @@ class ModelRunner:
         ended = self.shaping.accept(seq_ids, token_ids) if len(self.shaping) else []
         return ModelRunnerOutput(
             token_ids=token_ids, logprobs=_host(out.logprobs), top_token_ids=_host(out.top_ids),
-            top_logprobs=_host(out.top_logprobs), grammar_ended=ended)
+            top_logprobs=_host(out.top_logprobs), grammar_ended=ended,
+            prompt_logprobs=prompt_logprobs)

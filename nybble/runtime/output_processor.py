@@ -18,7 +18,7 @@ import time
 
 from nybble.errors import InvalidRequestError
 from nybble.outputs import RequestOutput
-from nybble.runtime.messages import EngineCoreOutputs, EngineCoreRequest
+from nybble.runtime.messages import EngineCoreOutputs, EngineCoreRequest, PromptLogprobs
 from nybble.runtime.request import FINISH_REASON_OPENAI, FinishReason, Request
 from nybble.runtime.tokenizer import Tokenizer
 
@@ -93,6 +93,11 @@ class OutputProcessor:
             if rid in self.requests:  # beam search: set before its rows end the request
                 for sample, value in zip(self.requests[rid].samples, values):
                     sample.output.cumulative_logprob = value
+        for chunk in core.prompt_logprobs or ():
+            request = self.requests.get(chunk.request_id)
+            if request is not None:
+                request.add_prompt_logprobs(chunk.start, _prompt_entries(
+                    chunk, request.prompt_token_ids))
         for row, (rid, index, token, code) in enumerate(zip(
                 core.request_ids, core.sample_indices, core.token_ids, core.finish_reasons)):
             request = self.requests.get(rid)
@@ -102,28 +107,20 @@ class OutputProcessor:
             out = sample.output
             if out.finish_reason is not None:
                 continue
-            out.token_ids.append(token)
-            if out.logprobs is not None:
-                out.logprobs.append(_row_logprobs(core, row, token, request.params.logprobs or 0))
             reason = FinishReason(code)
-            if reason == FinishReason.STOPPED:
-                # NOTE: stop_reason is the stop token id the *user* asked for (OpenAI/vLLM
-                # semantics); a model EOS id ends the sample too, but its stop_reason is None.
-                user_stops = request.params.stop_token_ids or ()
-                out.stop_reason = token if token in user_stops else None
-            else:  # NOTE: a stop token is kept in token_ids but never detokenized
-                sample.detok.add_token(token)
-                if sample.detok.stop_reason is not None:
-                    # NOTE: a stop string that completes on the last allowed token still
-                    # ends the sample as "stop": the text was cut by it
-                    if reason == FinishReason.NONE:
-                        stopped.append((rid, index))
-                    reason, out.stop_reason = FinishReason.STOPPED, sample.detok.stop_reason
+            if request.params.max_tokens == 0:
+                # NOTE: scoring only: the core ran one step to compute the prompt and its
+                # token is dropped (vLLM's echo with max_tokens 0 does the same)
+                reason = FinishReason.LENGTH
+            else:
+                reason = _take_token(request, index, core, row, token, reason)
+                if reason == FinishReason.STOPPED and code == FinishReason.NONE:
+                    stopped.append((rid, index))   # a stop string: the core must stop it
             out.text += sample.detok.take_delta(finished=reason != FinishReason.NONE)
             m = request.metrics
             m.first_token_time = m.first_token_time or now
             m.last_token_time = now
-            request.new_tokens += 1
+            request.new_tokens += request.params.max_tokens != 0
             request.changed.add(index)
             if reason != FinishReason.NONE:
                 out.finish_reason = FINISH_REASON_OPENAI[reason]
@@ -139,11 +136,52 @@ class OutputProcessor:
         return outputs, stopped
 
 
-def _row_logprobs(core: EngineCoreOutputs, row: int, token: int, k: int) -> dict[int, float]:
-    """``{token_id: logprob}`` of one row: the sampled token, then its top ``k``."""
-    assert core.logprobs is not None
-    entry = {token: float(core.logprobs[row])}
-    if k > 0 and core.top_token_ids is not None and core.top_logprobs is not None:
-        for tid, lp in zip(core.top_token_ids[row][:k], core.top_logprobs[row][:k]):
-            entry.setdefault(tid, lp)
+def _take_token(request: Request, index: int, core: EngineCoreOutputs, row: int, token: int,
+                reason: FinishReason) -> FinishReason:
+    """Append one sampled token to sample ``index`` (ids, logprobs, text); returns its finish
+    reason, ``STOPPED`` when its text reached a stop string."""
+    sample = request.samples[index]
+    out = sample.output
+    out.token_ids.append(token)
+    if out.cumulative_logprob is not None and core.logprobs is not None:
+        out.cumulative_logprob += core.logprobs[row]
+    if out.logprobs is not None:
+        out.logprobs.append(_row_logprobs(core, row, token, request.params.logprobs or 0))
+    if reason == FinishReason.STOPPED:
+        # NOTE: stop_reason is the stop token id the *user* asked for (OpenAI/vLLM
+        # semantics); a model EOS id ends the sample too, but its stop_reason is None.
+        user_stops = request.params.stop_token_ids or ()
+        out.stop_reason = token if token in user_stops else None
+        return reason
+    # NOTE: a stop token is kept in token_ids but never detokenized
+    sample.detok.add_token(token)
+    if sample.detok.stop_reason is not None:
+        # NOTE: a stop string that completes on the last allowed token still ends the
+        # sample as "stop": the text was cut by it
+        reason, out.stop_reason = FinishReason.STOPPED, sample.detok.stop_reason
+    return reason
+
+
+def _entry(token: int, logprob: float, top_ids: list[int], top_logprobs: list[float],
+           k: int) -> dict[int, float]:
+    """``{token_id: logprob}`` of one position: the token itself, then the top ``k``."""
+    entry = {token: float(logprob)}
+    for tid, lp in zip(top_ids[:k], top_logprobs[:k]):
+        entry.setdefault(tid, lp)
     return entry
+
+
+def _row_logprobs(core: EngineCoreOutputs, row: int, token: int, k: int) -> dict[int, float]:
+    """The entry of one sampled row: the sampled token, then its top ``k``."""
+    assert core.logprobs is not None
+    if k > 0 and core.top_token_ids is not None and core.top_logprobs is not None:
+        return _entry(token, core.logprobs[row], core.top_token_ids[row],
+                      core.top_logprobs[row], k)
+    return {token: float(core.logprobs[row])}
+
+
+def _prompt_entries(chunk: PromptLogprobs, prompt_ids: list[int]) -> list[dict[int, float]]:
+    """The entries of one chunk of prompt logprobs (prompt token, then the top ``k``)."""
+    return [_entry(prompt_ids[chunk.start + i], lp, ids, lps, len(ids))
+            for i, (lp, ids, lps) in enumerate(zip(chunk.logprobs, chunk.top_token_ids,
+                                                   chunk.top_logprobs))]

@@ -44,6 +44,7 @@ class ReferenceSequence:
     num_scheduled: int = 0
     num_hashed: int = 0            # leading full blocks already in the prefix cache
     blocks: list[int] = field(default_factory=list)
+    skip_cache: bool = False       # never takes cached blocks (prompt logprobs)
 
 
 class ReferenceScheduler:
@@ -102,12 +103,13 @@ class ReferenceScheduler:
     # ---- requests --------------------------------------------------------------------------
 
     def add(self, seq_id: int, token_ids, max_tokens: int, stop_token_ids=(),
-            num_samples: int = 1) -> None:
+            num_samples: int = 1, skip_prefix_cache: bool = False) -> None:
         """Queue a request (FCFS); the checks and errors of ``Scheduler.add``."""
         prompt, stops, _ = check_add(self, seq_id, token_ids, max_tokens, stop_token_ids,
                                      num_samples)
         seq = ReferenceSequence(seq_id, prompt.tolist(), len(prompt), max_tokens,
-                                frozenset(stops.tolist()), num_samples)
+                                frozenset(stops.tolist()), num_samples,
+                                skip_cache=skip_prefix_cache)
         self.seqs[seq_id] = seq
         self.waiting.append(seq)
 
@@ -165,7 +167,7 @@ class ReferenceScheduler:
             if sum(s.num_samples for s in self.running) + seq.num_samples > self.max_num_seqs:
                 return
             hit = 0
-            if self.prefix_cache is not None:
+            if self.prefix_cache is not None and not seq.skip_cache:
                 hits = self.prefix_cache.match(seq.tokens)[:(len(seq.tokens) - 1) // bs]
                 for block in hits.tolist():
                     self.allocator.incref(block)
@@ -302,7 +304,8 @@ class ReferenceScheduler:
         child = ReferenceSequence(
             seq_id, list(parent.tokens), parent.num_prompt_tokens,
             parent.max_tokens, parent.stop_token_ids, 1, "running",
-            parent.num_computed + parent.num_scheduled, 0, parent.num_hashed, list(parent.blocks))
+            parent.num_computed + parent.num_scheduled, 0, parent.num_hashed, list(parent.blocks),
+            parent.skip_cache)
         for block in child.blocks:
             self.allocator.incref(block)
         self.seqs[child.seq_id] = child

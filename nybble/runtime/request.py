@@ -38,8 +38,10 @@ class Request:
         prompt: text, or ``None`` when token ids were given.
         prompt_token_ids: the prompt's ids.
         params: sampling parameters (``max_tokens`` resolved by the request gate).
-        samples: per-sample state.
+        samples: per-sample state (``params.num_sequences`` of them: ``best_of`` when set).
         metrics: timestamps (seconds, ``time.monotonic()``).
+        prompt_logprobs: with ``prompt_logprobs`` asked, the entries received so far (the
+            first is ``None``), else ``None``.
     """
 
     request_id: str
@@ -51,28 +53,43 @@ class Request:
     num_finished: int = 0
     new_tokens: int = field(default=0)
     changed: set[int] = field(default_factory=set)   # samples with news since the last delta
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprobs_sent: bool = False                # a delta carried them already
 
     @classmethod
     def create(cls, request_id: str, prompt: str | None, prompt_ids: list[int],
                params: SamplingParams, arrival_time: float,
                tokenizer: Tokenizer) -> Request:
         """Build the request and the output state of its ``n`` samples."""
-        samples = [Sample(output=CompletionOutput(index=i, logprobs=[] if params.logprobs
-                                                  is not None else None),
-                          detok=IncrementalDetokenizer(tokenizer, prompt_ids, params.stop_list,
-                                                       params.skip_special_tokens,
-                                                       params.min_tokens))
-                   for i in range(params.n)]
+        ranked = params.num_sequences > params.n   # best_of: ranked by cumulative logprob
+        samples = [Sample(output=CompletionOutput(
+                              index=i, logprobs=[] if params.logprobs is not None else None,
+                              cumulative_logprob=0.0 if params.logprobs is not None or ranked
+                              else None),
+                          detok=IncrementalDetokenizer(tokenizer, prompt_ids, params))
+                   for i in range(params.num_sequences)]
         return cls(request_id, prompt, prompt_ids, params, samples,
-                   RequestMetrics(arrival_time=arrival_time))
+                   RequestMetrics(arrival_time=arrival_time),
+                   prompt_logprobs=None if params.prompt_logprobs is None else [None])
 
     @property
     def finished(self) -> bool:
         """Every sample has ended."""
         return self.num_finished == len(self.samples)
 
+    def add_prompt_logprobs(self, start: int, entries: list[dict[int, float]]) -> None:
+        """Append the entries of prompt tokens ``start ..`` (chunks arrive in order)."""
+        assert self.prompt_logprobs is not None and start == len(self.prompt_logprobs), \
+            "prompt logprobs chunks arrive once each, in order"
+        self.prompt_logprobs.extend(entries)
+
+    def _prompt_logprobs_done(self) -> bool:
+        return self.prompt_logprobs is not None and \
+            len(self.prompt_logprobs) == len(self.prompt_token_ids)
+
     def to_output(self) -> RequestOutput:
-        """A cumulative :class:`RequestOutput` snapshot (copies of the per-sample state)."""
+        """A cumulative :class:`RequestOutput` snapshot (copies of the per-sample state);
+        a finished ``best_of`` request keeps its ``n`` best samples."""
         outs = [CompletionOutput(index=s.output.index, text=s.output.text,
                                  token_ids=list(s.output.token_ids),
                                  finish_reason=s.output.finish_reason,
@@ -81,8 +98,13 @@ class Request:
                                  stop_reason=s.output.stop_reason,
                                  cumulative_logprob=s.output.cumulative_logprob)
                 for s in self.samples]
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs,
-                             self.finished, self.metrics, self.new_tokens)
+        out = RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs,
+                            self.finished, self.metrics, self.new_tokens,
+                            list(self.prompt_logprobs) if self._prompt_logprobs_done()
+                            else None)
+        if self.finished and len(outs) > self.params.n:
+            out.keep_best(self.params.n)
+        return out
 
     def take_delta(self) -> RequestOutput:
         """A DELTA :class:`RequestOutput`: for each sample in :attr:`changed`, the text, token
@@ -103,5 +125,8 @@ class Request:
             if o.logprobs is not None:
                 o.logprobs = []
         self.changed.clear()
+        prompt_logprobs = None
+        if not self.prompt_logprobs_sent and self._prompt_logprobs_done():
+            prompt_logprobs, self.prompt_logprobs_sent = self.prompt_logprobs, True
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs,
-                             self.finished, self.metrics, self.new_tokens)
+                             self.finished, self.metrics, self.new_tokens, prompt_logprobs)

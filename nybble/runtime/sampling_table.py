@@ -89,7 +89,8 @@ class SamplingTable:
         self._dirty.clear()
 
     def add(self, first_seq_id: int, params: SamplingParams) -> None:
-        """Add the rows of sequences ``first_seq_id .. first_seq_id + n - 1`` (one per sample).
+        """Add the rows of sequences ``first_seq_id .. first_seq_id + n - 1`` (one per sample;
+        ``n`` is ``params.num_sequences``: ``best_of`` when set).
 
         Sample ``i`` of a seeded, non-greedy request gets its own generator seeded
         ``sample_seed(seed, i)``: its tokens do not depend on what else is batched.
@@ -97,21 +98,26 @@ class SamplingTable:
         Raises:
             ValueError: a sequence id already has a row (nothing is added then).
         """
-        ids = range(first_seq_id, first_seq_id + params.n)
+        n = params.num_sequences
+        ids = range(first_seq_id, first_seq_id + n)
         if any(s in self._slot for s in ids):
             raise ValueError(f"sequence ids {ids.start}..{ids.stop - 1} must be new")
         seed = None if params.greedy else params.seed
         gens = [None if seed is None else
                 torch.Generator(device=self.device).manual_seed(sample_seed(seed, i))
-                for i in range(params.n)]
+                for i in range(n)]
         # NOTE: every conversion that can raise comes before the first change (all or nothing)
         values = {"temperature": params.temperature, "top_p": params.top_p,
                   "top_k": min(params.top_k, self.vocab_size) if params.top_k > 0 else -1,
                   "min_p": params.min_p}
         values = {name: _COLUMNS[name](value) for name, value in values.items()}
-        num_logprobs = np.int32(-1 if params.logprobs is None else params.logprobs)
-        if len(self._free) < params.n:
-            self._grow(max(2 * len(self._gens), len(self._slot) + params.n))
+        # NOTE: best_of ranks samples by cumulative logprob, so its rows need the chosen
+        # token's logprob even when the caller asked for none
+        asked = params.logprobs if params.logprobs is not None else \
+            0 if n > params.n else None
+        num_logprobs = np.int32(-1 if asked is None else asked)
+        if len(self._free) < n:
+            self._grow(max(2 * len(self._gens), len(self._slot) + n))
         for seq_id, gen in zip(ids, gens):
             row = self._free.pop()
             self._slot[seq_id] = row
@@ -121,7 +127,7 @@ class SamplingTable:
             self._gens[row] = gen
             self._num_seeded += gen is not None
             self._num_random += params.temperature > 0
-            self._num_logprobs += params.logprobs is not None
+            self._num_logprobs += asked is not None
             self._dirty.add(row)
 
     def remove(self, seq_ids: Iterable[int]) -> None:

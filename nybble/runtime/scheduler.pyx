@@ -143,7 +143,8 @@ cdef class Scheduler:
             s = &st.seqs[slot]
             if self._seqs.running_weight + s.num_samples > self.max_num_seqs:
                 break
-            if caching:
+            hit = 0
+            if caching and not s.skip_cache:
                 hit = self._seqs.take_cached_prefix(slot)
                 if hit < 0:
                     rc = hit
@@ -174,7 +175,7 @@ cdef class Scheduler:
     # ---- Python face -------------------------------------------------------------------------
 
     def add(self, int64_t seq_id, token_ids, int64_t max_tokens, stop_token_ids=(),
-            int num_samples=1) -> None:
+            int num_samples=1, bint skip_prefix_cache=False) -> None:
         """Queue a request (FCFS) under ``seq_id`` (a group owns seq_id .. seq_id+num_samples-1).
 
         Args:
@@ -183,6 +184,9 @@ cdef class Scheduler:
             max_tokens: generation budget (>= 1 tokens; generated tokens count after preemption).
             stop_token_ids: 1-D ids that finish the sequence (FinishReason.STOPPED) when sampled.
             num_samples: parallel samples sharing the prompt's blocks (1..max_num_seqs).
+            skip_prefix_cache: never take cached blocks for this sequence, so every prompt
+                position is computed (vLLM does so for requests asking for prompt logprobs);
+                its own full blocks still enter the cache.
 
         Raises:
             ValueError: empty prompt, prompt > max_model_len, bad max_tokens / num_samples /
@@ -193,7 +197,7 @@ cdef class Scheduler:
         prompt, stops, total = check_add(self, seq_id, token_ids, max_tokens, stop_token_ids,
                                          num_samples)
         self._seqs.add(seq_id, prompt, stops, max_tokens, num_samples,
-                       max(total, prompt.shape[0] + 1))
+                       max(total, prompt.shape[0] + 1), skip_prefix_cache)
 
     def __contains__(self, int64_t seq_id) -> bool:
         """True when ``seq_id`` is waiting or running."""

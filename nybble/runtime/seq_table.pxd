@@ -38,7 +38,8 @@ cdef class SequenceTable:
 
     # GIL held (may allocate / raise)
     cdef int32_t add(self, int64_t seq_id, const int32_t[::1] prompt, const int32_t[::1] stops,
-                     int64_t max_tokens, int32_t num_samples, int64_t cap_tokens) except -1
+                     int64_t max_tokens, int32_t num_samples, int64_t cap_tokens,
+                     bint skip_cache=*) except -1
     cdef int32_t find(self, int64_t seq_id)
     cdef int apply_step(self, BatchBuilder batch, const int32_t[::1] sampled,
                         int64_t[::1] out_ids, int32_t[::1] out_tokens,

@@ -52,15 +52,18 @@ cdef class SequenceTable:
     # ---- GIL held ----------------------------------------------------------------------------
 
     cdef int32_t add(self, int64_t seq_id, const int32_t[::1] prompt, const int32_t[::1] stops,
-                     int64_t max_tokens, int32_t num_samples, int64_t cap_tokens) except -1:
+                     int64_t max_tokens, int32_t num_samples, int64_t cap_tokens,
+                     bint skip_cache=False) except -1:
         """Queue a new sequence at the back of waiting: ``prompt`` (P >= 1 tokens, ``cap_tokens``
-        >= P + 1 capacity), ``stops``, ``min(max_tokens, cap_tokens)``, ``num_samples``. The
-        caller validated every argument. Returns its slot."""
+        >= P + 1 capacity), ``stops``, ``min(max_tokens, cap_tokens)``, ``num_samples``;
+        ``skip_cache``: it never takes cached prefix blocks. The caller validated every
+        argument. Returns its slot."""
         cdef int32_t slot = store_new_slot(&self.st, seq_id, stops.shape[0], cap_tokens)
         self._slot_of[seq_id] = slot
         cdef SeqState* s = &self.st.seqs[slot]
         s.num_prompt_tokens = s.num_tokens = <int32_t> prompt.shape[0]
         s.max_tokens, s.num_samples = <int32_t> min(max_tokens, cap_tokens), num_samples
+        s.skip_cache = skip_cache
         if s.num_stop:
             memcpy(self.st.arena + s.region_off, &stops[0], s.num_stop * sizeof(int32_t))
         memcpy(seq_tokens(&self.st, s), &prompt[0], s.num_tokens * sizeof(int32_t))

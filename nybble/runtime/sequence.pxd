@@ -50,6 +50,8 @@ ctypedef struct SeqState:
     # region_off         int64   arena offset of the region (int32 elements)
     # num_hashed         int32   prefix caching: leading full blocks registered/hit (blocks)
     # last_hash          uint64  prefix caching: chained hash of block num_hashed-1 (0: none)
+    # skip_cache         int32   1: never take cached blocks (every prompt position is computed,
+    #                            e.g. for prompt logprobs); its full blocks are still registered
     int64_t seq_id
     int32_t status
     int32_t num_prompt_tokens
@@ -64,6 +66,7 @@ ctypedef struct SeqState:
     int64_t region_off
     int32_t num_hashed
     uint64_t last_hash
+    int32_t skip_cache
 
 ctypedef struct SeqStore:
     # field        type            meaning (units)
@@ -192,7 +195,7 @@ cdef inline int32_t store_new_slot(SeqStore* st, int64_t seq_id, int64_t num_sto
     s.num_stop, s.cap_tokens = <int32_t> num_stop, <int32_t> cap_tokens
     s.num_tokens = s.num_computed = s.num_scheduled = s.num_blocks = 0
     s.num_prompt_tokens = s.max_tokens = s.num_hashed = 0
-    s.num_samples, s.last_hash = 1, 0
+    s.num_samples, s.last_hash, s.skip_cache = 1, 0, 0
     return slot
 
 
@@ -214,7 +217,7 @@ cdef inline void store_clone(SeqStore* st, int32_t parent, int32_t child) noexce
     cdef SeqState* c = &st.seqs[child]
     c.num_prompt_tokens, c.num_tokens, c.max_tokens = p.num_prompt_tokens, p.num_tokens, p.max_tokens
     c.num_computed = p.num_computed + p.num_scheduled
-    c.num_hashed, c.last_hash = p.num_hashed, p.last_hash
+    c.num_hashed, c.last_hash, c.skip_cache = p.num_hashed, p.last_hash, p.skip_cache
     memcpy(st.arena + c.region_off, st.arena + p.region_off,
            (p.num_stop + p.num_tokens) * sizeof(int32_t))
 

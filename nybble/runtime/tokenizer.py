@@ -195,25 +195,43 @@ class Tokenizer:
                 return bytes(chars[c] for c in token)
         return None
 
-    def text_stream(self, context_ids: Sequence[int], skip_special_tokens: bool) -> TextStream:
+    @functools.cached_property
+    def special_ids(self) -> frozenset[int]:
+        """Ids of the special tokens (BOS, EOS, ...: added tokens marked special)."""
+        return frozenset(i for i, t in self.backend.get_added_tokens_decoder().items()
+                         if t.special)
+
+    def text_stream(self, context_ids: Sequence[int], skip_special_tokens: bool,
+                    spaces_between_special_tokens: bool = False) -> TextStream:
         """A streaming decoder primed with ``context_ids`` (their text is not returned), so
-        the first new token keeps the leading space it has after that context."""
-        return TextStream(self, context_ids, skip_special_tokens)
+        the first new token keeps the leading space it has after that context; it decodes as
+        :meth:`decode` does unless ``spaces_between_special_tokens`` (see
+        :class:`TextStream`)."""
+        return TextStream(self, context_ids, skip_special_tokens,
+                          spaces_between_special_tokens)
 
     # ------------------------------------------------------------------ chat
     def apply_chat_template(self, messages: list[dict[str, Any]],
-                            add_generation_prompt: bool = True) -> str:
-        """The conversation rendered with the model's chat template (text; the template emits
-        BOS itself, so tokenize it with ``add_special_tokens=False``).
+                            add_generation_prompt: bool = True,
+                            continue_final_message: bool = False,
+                            chat_template: str | None = None,
+                            template_kwargs: dict[str, Any] | None = None) -> str:
+        """The conversation rendered with the model's chat template, or ``chat_template``
+        when given (text; the template emits BOS itself, so tokenize it with
+        ``add_special_tokens=False``). The options are transformers' (see
+        :func:`render_chat_template`).
 
         Raises:
             InvalidRequestError: no chat template, or the template refused the messages.
         """
-        if not self.chat_template:
+        source = chat_template or self.chat_template
+        if not source:
             raise InvalidRequestError("this model's tokenizer has no chat template; use "
-                                      "/v1/completions", param="messages")
-        return render_chat_template(self.chat_template, messages, add_generation_prompt,
-                                    self.special_tokens)
+                                      "/v1/completions or pass chat_template",
+                                      param="messages")
+        return render_chat_template(source, messages, add_generation_prompt,
+                                    self.special_tokens, continue_final_message,
+                                    template_kwargs)
 
 
 class TextStream:
@@ -226,12 +244,19 @@ class TextStream:
     ``DecodeStream`` refuses a window whose decoded text no longer starts with its earlier
     decoding (invalid UTF-8 from stray byte-fallback tokens, which a random model emits): that
     token is decoded here the same way, by length, and the stream restarts on the new window.
+
+    ``spaces_between_special_tokens`` (vLLM's option; kept special tokens only): a special
+    token and the text on either side of it are joined by one space, as transformers' slow
+    tokenizers join their sub-texts, unless that text already has a space there.
     """
 
     def __init__(self, tokenizer: Tokenizer, context_ids: Sequence[int],
-                 skip_special_tokens: bool) -> None:
+                 skip_special_tokens: bool, spaces_between_special_tokens: bool = False) -> None:
         self._tok = tokenizer
         self._skip = skip_special_tokens
+        self._spaces = spaces_between_special_tokens and not skip_special_tokens
+        self._after_special = False                   # the last piece was a special token
+        self._text_before = bool(list(context_ids))   # some text precedes the next piece
         context = list(context_ids)
         # NOTE: a context that ends inside a character (a prompt cut mid-UTF-8) would put
         # its U+FFFD into the first piece: prime with the complete characters only
@@ -257,7 +282,15 @@ class TextStream:
             return None
         self._window = self._window[self._read:]
         self._read = len(self._window)
-        return str(piece)
+        return self._spaced(token_id, str(piece)) if self._spaces else str(piece)
+
+    def _spaced(self, token_id: int, piece: str) -> str:
+        """``piece`` with the space that joins it to a neighbouring special token."""
+        special = token_id in self._tok.special_ids
+        if (special and self._text_before) or self._after_special:
+            piece = piece if piece.startswith(" ") else " " + piece
+        self._after_special, self._text_before = special, True
+        return piece
 
     def _by_length(self) -> str | None:
         decode = self._tok.backend.decode

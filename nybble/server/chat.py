@@ -59,6 +59,16 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request
                        include_usage)  # type: ignore[return-value]
 
 
+def echo_text(req: ChatCompletionRequest) -> str:
+    """What ``echo`` puts before each choice's content (vLLM's rule): the final message's
+    text when it has the answer's role (the assistant's with ``add_generation_prompt``,
+    else any), else ``""``."""
+    last = req.messages[-1]
+    if not req.echo or (req.add_generation_prompt and last.role != "assistant"):
+        return ""
+    return last.text()
+
+
 class ChatRenderer:
     """Chat chunk and response shapes (one prompt; a role delta per choice first).
 
@@ -70,10 +80,11 @@ class ChatRenderer:
                  top: int | None) -> None:
         self.state, self.req, self.request_id, self.top = state, req, request_id, top
         self.logprobs = top is not None
+        self.echo = echo_text(req)
 
     def prompts(self) -> list[str | list[int]]:
         """The conversation rendered with the chat template, as token ids."""
-        return [render_chat(self.state, self.req.messages)]
+        return [render_chat(self.state, self.req, self.req.messages)]
 
     def text_offsets(self) -> None:
         """Chat choices start empty."""
@@ -84,10 +95,15 @@ class ChatRenderer:
                                        choices=choices, usage=usage))
 
     def preamble(self) -> list[str]:
-        """A role delta for every choice."""
-        return [self._chunk([ChatStreamChoice(index=j, delta=DeltaMessage(role="assistant",
-                                                                          content=""))])
-                for j in range(self.req.n)]
+        """A role delta for every choice, then (``echo``) the echoed text of each."""
+        events = [self._chunk([ChatStreamChoice(index=j, delta=DeltaMessage(role="assistant",
+                                                                            content=""))])
+                  for j in range(self.req.n)]
+        if self.echo:
+            events += [self._chunk([ChatStreamChoice(index=j,
+                                                     delta=DeltaMessage(content=self.echo))])
+                       for j in range(self.req.n)]
+        return events
 
     def delta_chunk(self, prompt_index: int, delta: Delta) -> str:
         """A content delta (empty only in a choice's last chunk, when only the finish reason
@@ -115,5 +131,6 @@ class ChatRenderer:
         if self.top is not None and o.logprobs is not None:
             decoder = SampleDecoder(self.state.tokenizer, final.prompt_token_ids)
             lp = chat_logprobs(decoder, o.token_ids, o.logprobs, self.top)
-        return ChatChoice(index=o.index, message=AssistantMessage(content=o.text), logprobs=lp,
+        return ChatChoice(index=o.index, message=AssistantMessage(content=self.echo + o.text),
+                          logprobs=lp,
                           finish_reason=o.finish_reason)  # type: ignore[arg-type]

@@ -14,7 +14,12 @@ from nybble.server.auth import require_api_key
 from nybble.server.logprobs import SampleDecoder, completion_logprobs
 from nybble.server.openapi import generation_responses
 from nybble.server.protocol import CompletionRequest
-from nybble.server.responses import CompletionChoice, CompletionResponse, UsageInfo
+from nybble.server.responses import (
+    CompletionChoice,
+    CompletionLogProbs,
+    CompletionResponse,
+    UsageInfo,
+)
 from nybble.server.serving import arrival, json_response, new_id, sampling_params, serve
 from nybble.server.state import ServerState, get_state, wait_ready
 from nybble.server.streams import Delta, sse, usage_of
@@ -70,7 +75,9 @@ async def create_completion(req: CompletionRequest,
     t0 = arrival()
     state = get_state(request)
     state.check_model(req.model)
-    params = beam_params(req, sampling_params(req, req.max_tokens, req.logprobs))
+    # NOTE: echo with logprobs returns the prompt's logprobs too (OpenAI, vLLM)
+    params = beam_params(req, sampling_params(req, req.max_tokens, req.logprobs,
+                                              req.logprobs if req.echo else None))
     renderer = CompletionRenderer(state, req, new_id("cmpl"))
     include_usage = req.stream_options is not None and req.stream_options.include_usage
     return await serve(request, state, renderer, params, DEFAULT_NAMES, t0, req.stream,
@@ -141,12 +148,22 @@ class CompletionRenderer:
         return json_response(head, (self._choice(i, out, o) for i, out in enumerate(finals)
                                     for o in out.outputs))
 
+    def _prompt_logprobs(self, out: RequestOutput, k: int) -> CompletionLogProbs | None:
+        """The echoed prompt's logprobs (``None`` without ``echo``): offsets index the echoed
+        text, which leaves out special tokens."""
+        if not self.req.echo or out.prompt_logprobs is None:
+            return None
+        tokenizer = self.state.tokenizer
+        decoder = SampleDecoder(tokenizer, [], 0, hidden=tokenizer.special_ids)
+        return completion_logprobs(decoder, out.prompt_token_ids, out.prompt_logprobs, k)
+
     def _choice(self, prompt_index: int, out: RequestOutput,
                 o: CompletionOutput) -> CompletionChoice:
         echo, k = self.echo_texts()[prompt_index], self.req.logprobs
         lp = None
         if k is not None and o.logprobs is not None:
+            lp = self._prompt_logprobs(out, k)
             decoder = SampleDecoder(self.state.tokenizer, out.prompt_token_ids, len(echo))
-            lp = completion_logprobs(decoder, o.token_ids, o.logprobs, k)
+            lp = completion_logprobs(decoder, o.token_ids, o.logprobs, k, into=lp)
         return CompletionChoice(index=prompt_index * self.req.n + o.index, text=echo + o.text,
                                 logprobs=lp, finish_reason=o.finish_reason)  # type: ignore[arg-type]

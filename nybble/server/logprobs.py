@@ -15,6 +15,11 @@ sample's tokens in order and gives each token
 - its **text offset**: the index in the returned text of the first character its bytes
   belong to (completions ``text_offset``), so the pieces of a character split over several
   tokens all point at that character.
+
+An echoed prompt (completions ``echo`` with ``logprobs``) is decoded the same way from its
+first token, except that its special tokens (BOS), which the echoed text leaves out, keep
+their name as their string and add no characters: every ``text_offset`` indexes the echoed
+text.
 """
 from __future__ import annotations
 
@@ -61,13 +66,17 @@ class SampleDecoder:
         context: token ids before the first token it will see (the prompt's tail).
         text_offset: characters of the returned text before the first token (the echoed
             prompt's length, else 0).
+        hidden: ids of tokens that are not in the returned text (special tokens of an
+            echoed prompt): each is labelled with its name and adds no characters.
     """
 
-    def __init__(self, tokenizer: Any, context: Sequence[int], text_offset: int = 0) -> None:
+    def __init__(self, tokenizer: Any, context: Sequence[int], text_offset: int = 0,
+                 hidden: frozenset[int] = frozenset()) -> None:
         self.tokenizer = tokenizer
         self.window = list(context[-CONTEXT_TOKENS:])
         self.utf8 = codecs.getincrementaldecoder("utf-8")("replace")
         self.offset = text_offset
+        self.hidden = hidden
 
     def _raw(self, prefix: str, token_id: int) -> bytes:
         raw = self.tokenizer.token_bytes(token_id)
@@ -101,6 +110,12 @@ class SampleDecoder:
                     raw = self._raw(prefix, a)
                     alt[a] = Piece(_label(self._completed(raw), raw), raw, self.offset)
                 alt_pieces.append(alt)
+            if tok in self.hidden:
+                name = str(self.tokenizer.decode([tok], skip_special_tokens=False))
+                pieces.append(Piece(name, name.encode(), self.offset))
+                if alternatives is not None:
+                    alt_pieces[-1][tok] = pieces[-1]
+                continue
             raw = self._raw(prefix, tok)
             completed = str(self.utf8.decode(raw))
             piece = Piece(_label(completed, raw), raw, self.offset)
@@ -112,27 +127,34 @@ class SampleDecoder:
         return pieces, alt_pieces
 
 
-def _top(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
+def _top(entry: dict[int, float] | None, k: int) -> list[tuple[int, float]]:
     """The ``k`` most likely ``(token_id, logprob)`` pairs of one position, best first."""
+    if entry is None:
+        return []
     return sorted(entry.items(), key=lambda kv: kv[1], reverse=True)[:k]
 
 
 def completion_logprobs(decoder: SampleDecoder, ids: Sequence[int],
-                        entries: Sequence[dict[int, float]], k: int) -> CompletionLogProbs:
-    """Completions-format logprobs for the sample's next generated ``ids``.
+                        entries: Sequence[dict[int, float] | None], k: int,
+                        into: CompletionLogProbs | None = None) -> CompletionLogProbs:
+    """Completions-format logprobs for the sample's next ``ids``.
 
     Args:
         decoder: the sample's decoder (it moves past ``ids``).
-        entries: ``entries[i]`` belongs to ``ids[i]``.
+        entries: ``entries[i]`` belongs to ``ids[i]``; ``None`` (a prompt's first token)
+            gives ``null`` logprob and top_logprobs.
         k: top-N alternatives per position.
+        into: append to these logprobs (an echoed prompt's) instead of new ones.
     """
     tops = [_top(e, k) for e in entries]
     pieces, alts = decoder.pieces(ids, [[t for t, _ in top] for top in tops])
-    result = CompletionLogProbs()
+    result = CompletionLogProbs() if into is None else into
     for i, tok in enumerate(ids):
+        entry = entries[i]
         result.tokens.append(pieces[i].token)
-        result.token_logprobs.append(entries[i].get(tok))
-        result.top_logprobs.append({alts[i][t].token: lp for t, lp in tops[i]})
+        result.token_logprobs.append(None if entry is None else entry.get(tok))
+        result.top_logprobs.append(None if entry is None else
+                                   {alts[i][t].token: lp for t, lp in tops[i]})
         result.text_offset.append(pieces[i].offset)
     return result
 

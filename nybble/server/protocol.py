@@ -4,10 +4,10 @@ Requests carry types and shapes only: every value range (temperature, ``max_toke
 the context, ``logprobs``, ``seed``, token ids...) is checked once, by the engine's request
 gate (:mod:`nybble.runtime.input_processor`; ``InvalidRequestError`` -> 400). Unknown request
 fields are ignored, as OpenAI clients send fields nybble does not use (``user``,
-``metadata``, ...); the fields nybble does not implement (``best_of`` other than ``n``,
-``suffix``, ``tools``, ``echo`` with ``logprobs``, content parts other than ``text``) are
-declared, and the validators below refuse a non-neutral value with a 400 naming the field
-instead of silently ignoring it: this is the one place such refusals live.
+``metadata``, ...); the fields nybble does not implement (``suffix``, ``tools``, ``best_of``
+other than ``n`` or ``echo`` with ``logprobs`` when streaming, content parts other than
+``text``) are declared, and the validators below refuse a non-neutral value with a 400 naming
+the field instead of silently ignoring it: this is the one place such refusals live.
 
 Every model here derives from :class:`RequestModel` (``request_base.py``): strict types,
 ``null`` = omitted, nullable optional fields in the schema, valid Unicode only.
@@ -25,6 +25,7 @@ from pydantic import (
     model_validator,
 )
 
+from nybble.errors import InvalidRequestError
 from nybble.server.request_base import RequestBody, RequestModel
 
 
@@ -52,6 +53,10 @@ class _SamplingFields(RequestBody):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    best_of: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None    # NOTE: after stream (its validator)
     user: str | None = None
@@ -69,7 +74,6 @@ class _SamplingFields(RequestBody):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     # Not implemented: only their neutral values are accepted (the validators below).
-    best_of: int | None = None
     tools: list[dict[str, Any]] | None = None
     suffix: str | None = None
 
@@ -99,14 +103,13 @@ class _SamplingFields(RequestBody):
                              f"or absent, got {got}")
         return value
 
-    @field_validator("best_of")
-    @classmethod
-    def _best_of_is_n(cls, value: int | None, info: ValidationInfo) -> int | None:
-        n = info.data.get("n")
-        if value is not None and n is not None and value != n:
-            raise ValueError(f"best_of is not supported by nybble: it must equal n ({n}) or "
-                             f"be absent, got {value}")
-        return value
+    @model_validator(mode="after")
+    def _best_of_not_streamed(self) -> Any:
+        if self.stream and self.best_of is not None and self.best_of != self.n:
+            raise InvalidRequestError(f"best_of must equal n ({self.n}) or be absent with "
+                                      f"stream: true (the best samples are known only at the "
+                                      f"end), got {self.best_of}", param="best_of")
+        return self
 
     @field_validator("response_format")
     @classmethod
@@ -150,7 +153,9 @@ class CompletionRequest(_SamplingFields):
 
     ``prompt``: a string, a list of strings, a list of token ids, or a list of token-id lists;
     each prompt yields ``n`` choices, numbered ``prompt_index * n + sample_index``.
-    ``logprobs``: top-N log-probabilities per generated token.
+    ``logprobs``: top-N log-probabilities per generated token, and per prompt token with
+    ``echo`` (prompt logprobs; the first prompt token's is ``null``). ``max_tokens: 0``
+    generates nothing (scoring: with ``echo``, only the prompt comes back).
     ``use_beam_search`` (vLLM's extra parameter): ``n`` beams, all returned best first;
     ``length_penalty`` and ``early_stopping`` as in transformers (docs/serving.md, "Beam
     search"); the gate checks them.
@@ -159,7 +164,7 @@ class CompletionRequest(_SamplingFields):
     prompt: Prompt
     max_tokens: int | None = 16
     logprobs: int | None = None
-    echo: bool = False    # NOTE: after logprobs, so that its validator sees logprobs
+    echo: bool = False
     use_beam_search: bool = False
     length_penalty: float | None = None
     early_stopping: bool | Literal["never"] | None = None
@@ -171,13 +176,13 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("prompt must be non-empty, got []")
         return value
 
-    @field_validator("echo")
-    @classmethod
-    def _no_prompt_logprobs(cls, value: bool, info: ValidationInfo) -> bool:
-        if value and info.data.get("logprobs") is not None:
-            raise ValueError("echo with logprobs is not supported (nybble does not compute "
-                             "prompt logprobs)")
-        return value
+    @model_validator(mode="after")
+    def _no_streamed_prompt_logprobs(self) -> Any:
+        if self.stream and self.echo and self.logprobs is not None:
+            raise InvalidRequestError("echo with logprobs is not supported with stream: true "
+                                      "(prompt logprobs are returned in the whole response "
+                                      "only)", param="echo")
+        return self
 
 
 class ContentPart(RequestModel):
@@ -217,14 +222,40 @@ class ChatMessage(RequestModel):
         return "".join(p.text for p in self.content)
 
 
-class ChatCompletionRequest(_SamplingFields):
-    """``POST /v1/chat/completions`` body; ``max_completion_tokens`` wins over ``max_tokens``."""
+class ChatOptions(RequestBody):
+    """vLLM's options of how ``messages`` become the prompt (chat completions, ``/tokenize``)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _one_way_to_end(self) -> Any:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise InvalidRequestError("continue_final_message and add_generation_prompt must "
+                                      "not both be true (set add_generation_prompt to false "
+                                      "to continue the final message)",
+                                      param="continue_final_message")
+        return self
+
+
+class ChatCompletionRequest(_SamplingFields, ChatOptions):
+    """``POST /v1/chat/completions`` body; ``max_completion_tokens`` wins over ``max_tokens``.
+
+    vLLM's chat options: ``add_generation_prompt`` (default true), ``continue_final_message``
+    (assistant prefill: the final message is continued, not closed; not with
+    ``add_generation_prompt``), ``chat_template`` (a jinja2 template replacing the model's),
+    ``chat_template_kwargs`` (extra template variables) and ``echo`` (the final message, when
+    it is the assistant's, leads each choice's content).
+    """
 
     messages: list[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    echo: bool = False
 
     @field_validator("messages")
     @classmethod
@@ -241,14 +272,14 @@ class ChatCompletionRequest(_SamplingFields):
         return value
 
 
-class TokenizeRequest(RequestBody):
-    """``POST /tokenize`` (vLLM): either ``prompt`` or chat ``messages``."""
+class TokenizeRequest(ChatOptions):
+    """``POST /tokenize`` (vLLM): either ``prompt`` or chat ``messages`` (with the chat
+    options of :class:`ChatOptions`)."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
-    add_generation_prompt: bool = True
 
 
 class DetokenizeRequest(RequestBody):

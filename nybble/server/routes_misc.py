@@ -56,7 +56,7 @@ async def version() -> VersionResponse:
 
 def _tokenize(state: ServerState, req: TokenizeRequest) -> Response:
     if req.messages is not None:
-        ids = render_chat(state, req.messages, req.add_generation_prompt)
+        ids = render_chat(state, req, req.messages)
         state.input_processor.check_token_ids(ids, "messages")
     else:
         assert req.prompt is not None

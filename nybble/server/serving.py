@@ -27,7 +27,7 @@ from nybble.runtime.async_engine import RequestStream
 from nybble.runtime.input_processor import ParamNames
 from nybble.runtime.messages import EngineCoreRequest
 from nybble.sampling_params import SamplingParams
-from nybble.server.protocol import ChatMessage, _SamplingFields
+from nybble.server.protocol import ChatMessage, ChatOptions, _SamplingFields
 from nybble.server.responses import UsageInfo
 from nybble.server.sampling_fields import guided_decoding, logit_bias
 from nybble.server.state import ServerState, run_blocking
@@ -53,8 +53,8 @@ def arrival() -> float:
     return time.monotonic()
 
 
-def sampling_params(req: _SamplingFields, max_tokens: int | None,
-                    logprobs: int | None) -> SamplingParams:
+def sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: int | None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
     """The request's fields as :class:`SamplingParams` (OpenAI defaults for ``None``).
 
     No value is checked here: the engine's request gate checks every range.
@@ -69,7 +69,11 @@ def sampling_params(req: _SamplingFields, max_tokens: int | None,
         top_k=-1 if req.top_k is None else req.top_k,
         min_p=0.0 if req.min_p is None else req.min_p, seed=req.seed, max_tokens=max_tokens,
         stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
-        logprobs=logprobs, logit_bias=logit_bias(req), min_tokens=req.min_tokens,
+        logprobs=logprobs, prompt_logprobs=prompt_logprobs, best_of=req.best_of,
+        skip_special_tokens=req.skip_special_tokens,
+        spaces_between_special_tokens=req.spaces_between_special_tokens,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        logit_bias=logit_bias(req), min_tokens=req.min_tokens,
         repetition_penalty=_or(req.repetition_penalty, 1.0),
         presence_penalty=_or(req.presence_penalty, 0.0),
         frequency_penalty=_or(req.frequency_penalty, 0.0), bad_words=req.bad_words,
@@ -95,22 +99,26 @@ def check_prompt_chars(state: ServerState, text: str, param: str) -> None:
             f"each), got {len(text)} characters", param=param)
 
 
-def render_chat(state: ServerState, messages: list[ChatMessage],
-                add_generation_prompt: bool = True) -> list[int]:
-    """Token ids of ``messages`` rendered with the tokenizer's chat template (blocking: call
-    it on a worker thread, :func:`run_blocking`).
+def render_chat(state: ServerState, req: ChatOptions,
+                messages: list[ChatMessage]) -> list[int]:
+    """Token ids of ``messages`` rendered with the chat template (the model's, or
+    ``req.chat_template``) and ``req``'s options (``add_generation_prompt``,
+    ``continue_final_message``, ``chat_template_kwargs``); blocking: call it on a worker
+    thread, :func:`run_blocking`.
 
     The template already emits BOS, so the rendered text is tokenized without adding special
     tokens again. The messages, then the rendered text, pass :func:`check_prompt_chars` first.
 
     Raises:
-        InvalidRequestError: the conversation is too long, the tokenizer has no chat template,
-            or the template refused the conversation.
+        InvalidRequestError: the conversation is too long, there is no chat template, or the
+            template refused the conversation.
     """
     conversation = [{"role": m.role, "content": m.text()} for m in messages]
     check_prompt_chars(state, "".join(m["content"] for m in conversation), "messages")
-    text = state.tokenizer.apply_chat_template(conversation,
-                                               add_generation_prompt=add_generation_prompt)
+    text = state.tokenizer.apply_chat_template(
+        conversation, add_generation_prompt=req.add_generation_prompt,
+        continue_final_message=req.continue_final_message, chat_template=req.chat_template,
+        template_kwargs=req.chat_template_kwargs)
     check_prompt_chars(state, text, "messages")
     return state.tokenizer.encode(text, add_special_tokens=False)
 
@@ -154,7 +162,7 @@ def _gate(state: ServerState, renderer: Renderer, params: SamplingParams, names:
     """Prompts, their checks and the request gate (blocking: runs on a worker thread)."""
     prompts = renderer.prompts()
     cap = state.config.max_seqs_per_request
-    n = params.n if isinstance(params.n, int) else 1
+    n = params.num_sequences if isinstance(params.num_sequences, int) else 1
     if len(prompts) * n > cap:
         param = names.prompt if len(prompts) > 1 else "n"
         raise InvalidRequestError(
@@ -193,6 +201,9 @@ async def serve(request: Request, state: ServerState, renderer: Renderer,
     finals = await collect(request, state, streams)
     if finals is None:
         return Response(status_code=CLIENT_CLOSED)
+    if params.num_sequences > params.n:    # best_of: keep the n best samples
+        for final in finals:
+            final.keep_best(params.n)
     return await run_blocking(state, renderer.response, finals)
 
 

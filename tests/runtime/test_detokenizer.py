@@ -7,6 +7,7 @@ from transformers import AutoTokenizer
 from nybble.config import DEFAULT_MODEL
 from nybble.runtime.detokenizer import IncrementalDetokenizer
 from nybble.runtime.tokenizer import Tokenizer
+from nybble.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -15,11 +16,12 @@ def tok() -> Tokenizer:
 
 
 def _stream(tok, prompt: str, text: str, stop: list[str] | None = None,
-            skip_special_tokens: bool = True, extra: list[int] | None = None
-            ) -> tuple[list[str], str]:
+            skip_special_tokens: bool = True, extra: list[int] | None = None,
+            **options: bool) -> tuple[list[str], str]:
     prompt_ids = tok.encode(prompt)
     out_ids = tok.encode(prompt + text)[len(prompt_ids):] + (extra or [])
-    d = IncrementalDetokenizer(tok, prompt_ids, stop or [], skip_special_tokens)
+    d = IncrementalDetokenizer(tok, prompt_ids, SamplingParams(
+        stop=stop, skip_special_tokens=skip_special_tokens, **options))
     pieces = []
     for t in out_ids:
         d.add_token(t)
@@ -70,9 +72,24 @@ def test_pieces_equal_transformers_decode(tok) -> None:
     assert full == hf.decode(prompt_ids, skip_special_tokens=True) + text
 
 
-@pytest.mark.parametrize("skip", [True, False])
-def test_skip_special_tokens(tok, skip: bool) -> None:
+@pytest.mark.parametrize("skip, spaces, want", [
+    (True, True, " upon the dog"), (True, False, " upon the dog"),
+    (False, False, " upon</s><s> the dog"),
+    # transformers' slow-tokenizer rule: the sub-texts around special tokens joined by " "
+    (False, True, " upon </s> <s> the dog")])
+def test_skip_special_tokens(tok, skip: bool, spaces: bool, want: str) -> None:
     eos = 2  # "</s>" in the bundled vocabulary
-    pieces, text = _stream(tok, "Once", " upon", skip_special_tokens=skip, extra=[eos, 1])
-    assert text == (" upon" if skip else " upon</s><s>")
+    base, full = tok.encode("Once upon"), tok.encode("Once upon the dog")
+    assert full[:len(base)] == base
+    extra = [eos, 1, *full[len(base):]]      # "▁the ▁dog"
+    pieces, text = _stream(tok, "Once", " upon", skip_special_tokens=skip, extra=extra,
+                           spaces_between_special_tokens=spaces)
+    assert text == want
+    assert "".join(pieces) == text
+
+
+def test_include_stop_str_in_output(tok) -> None:
+    pieces, text = _stream(tok, "Once", " upon a time there was a dog", stop=["time there"],
+                           include_stop_str_in_output=True)
+    assert text == " upon a time there"
     assert "".join(pieces) == text

@@ -14,8 +14,8 @@ def test_generate_prints_greedy_text(capsys) -> None:
 
 
 def test_generate_rejects_bad_max_tokens(capsys) -> None:
-    assert main(["generate", "Hi", "--max-tokens", "0"]) == 2
-    assert "max_tokens must be >= 1, got 0" in capsys.readouterr().err
+    assert main(["generate", "Hi", "--max-tokens", "-1"]) == 2
+    assert "max_tokens must be >= 0, got -1" in capsys.readouterr().err
 
 
 def test_missing_model_folder_is_one_clear_line(capsys) -> None:

@@ -64,7 +64,9 @@ PROMPT = [1, 5, 9, 200]
     ("seed", 1.5, "seed", "got 1.5"),
     ("seed", -1.0, "seed", ("seed must be an integer in [-9223372036854775808, "
                             "18446744073709551615] (-1: no seed), got -1.0")),
-    ("max_tokens", 0, "max_tokens", "max_tokens must be >= 1, got 0"),
+    ("max_tokens", -1, "max_tokens", "max_tokens must be >= 0, got -1"),
+    ("best_of", 0, "best_of", "best_of must be an integer >= n (1), got 0"),
+    ("prompt_logprobs", 21, "prompt_logprobs", "prompt_logprobs must be in [0, 20]"),
     ("logprobs", 21, "logprobs", "logprobs must be in [0, 20] (max_logprobs 20"),
     ("logprobs", -1, "logprobs", "got -1"),
     ("stop", ["ok", ""], "stop", "stop must be non-empty strings"),
@@ -125,7 +127,7 @@ def test_logprobs_capped_by_the_vocabulary(gate: InputProcessor) -> None:
 
 def test_api_names_are_used_for_params(gate: InputProcessor) -> None:
     assert _reject(gate, PROMPT, SamplingParams(logprobs=25), CHAT).param == "top_logprobs"
-    assert _reject(gate, PROMPT, SamplingParams(max_tokens=0), CHAT).param == \
+    assert _reject(gate, PROMPT, SamplingParams(max_tokens=-1), CHAT).param == \
         "max_completion_tokens"
     assert _reject(gate, [], SamplingParams(), CHAT).param == "messages"
     assert _reject(gate, [1, 900], SamplingParams(), CHAT).param == "messages"

@@ -16,6 +16,7 @@ from nybble.runtime.block_allocator import BlockAllocator
 from nybble.runtime.prefix_cache import hash_tokens
 from nybble.runtime.scheduler import Scheduler
 
+from nybble.config import EngineConfig
 from nybble.engine_args import add_engine_args, engine_config_from_args
 from tests.runtime.helpers import check_batch_invariants, check_state_invariants, make_scheduler
 
@@ -392,9 +393,13 @@ def test_caching_on_matches_off_and_kv_is_never_stale(
 def test_flag_reaches_the_cache_config() -> None:
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
-    assert not engine_config_from_args(parser.parse_args([])).cache_config.enable_prefix_caching
+    # on by default, as in vLLM V1; --no-enable-prefix-caching turns it off
+    assert engine_config_from_args(parser.parse_args([])).cache_config.enable_prefix_caching
     cfg = engine_config_from_args(parser.parse_args(["--enable-prefix-caching"]))
     assert cfg.cache_config.enable_prefix_caching is True
+    cfg = engine_config_from_args(parser.parse_args(["--no-enable-prefix-caching"]))
+    assert cfg.cache_config.enable_prefix_caching is False
+    assert EngineConfig().cache_config.enable_prefix_caching   # the offline LLM's default
 
 
 def _shared_prefix_requests(n: int = 32, seed: int = 0) -> list[tuple[list[int], int]]:

@@ -10,6 +10,7 @@ from nybble import SamplingParams
 from nybble.config import DEFAULT_MODEL
 from nybble.runtime.engine import LLMEngine
 from nybble.runtime.sampler import SamplingBatch, _filter, sample
+from tests.runtime.engine_helpers import run_requests
 
 
 def _batch(s: int, temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0, gens=None,
@@ -76,14 +77,7 @@ def engine() -> LLMEngine:
 
 
 def _generate(engine: LLMEngine, reqs: dict[str, tuple[str, SamplingParams]]):
-    for rid, (prompt, params) in reqs.items():
-        engine.add_request(rid, prompt, params)
-    finals = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
-    return finals
+    return run_requests(engine, [(rid, p, params) for rid, (p, params) in reqs.items()])
 
 
 def test_seeded_request_is_independent_of_batch(engine: LLMEngine) -> None:

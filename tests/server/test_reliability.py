@@ -37,11 +37,13 @@ def _answer(r: httpx.Response) -> dict[str, Any]:
      ["n", "logprobs", "echo", "stream", "stream_options", "stop", "seed", "top_p", "top_k",
       "min_p", "ignore_eos", "stop_token_ids", "user", "best_of", "suffix", "logit_bias",
       "presence_penalty", "frequency_penalty", "repetition_penalty", "response_format",
-      "tools"]),
+      "tools", "include_stop_str_in_output", "skip_special_tokens",
+      "spaces_between_special_tokens"]),
     ("/v1/chat/completions", CHAT,
      ["n", "logprobs", "top_logprobs", "stream", "stream_options", "stop", "seed", "top_p",
       "top_k", "min_p", "ignore_eos", "stop_token_ids", "user", "max_completion_tokens",
-      "response_format", "tools"]),
+      "response_format", "tools", "best_of", "echo", "add_generation_prompt",
+      "continue_final_message", "chat_template", "chat_template_kwargs"]),
 ])
 def test_explicit_null_is_the_field_left_out(server: Server, path: str, base: dict[str, Any],
                                              nulls: list[str]) -> None:
