@@ -49,6 +49,9 @@ cdef class BatchBuilder:
         self.sample_seq_ids = self._np_sample_seq_ids = np.zeros(R, np.int64)
         self._copy_src = self._np_copy_src = np.zeros(R, np.int32)
         self._copy_dst = self._np_copy_dst = np.zeros(R, np.int32)
+        self.sample_num_draft = self._np_num_draft = np.zeros(R, np.int32)
+        self._prev_ids = self._np_prev_ids = np.zeros(R, np.int32)
+        self._prev_slots = self._np_prev_slots = np.zeros(R, np.int64)
 
     def __dealloc__(self):
         PyMem_Free(self.row_slots)
@@ -87,7 +90,13 @@ cdef class BatchBuilder:
             self._row_table_len[b] = s.num_blocks
             self._max_q = max(self._max_q, n)
             self._max_sl = max(self._max_sl, start + n)
-            if start + n == s.num_tokens:
+            if start + n == s.num_tokens + s.num_spec:
+                self.sample_num_draft[self.num_sampled] = s.num_spec
+                if s.num_spec > 0:      # speculative decoding: the draft model's catch-up
+                    pos = start - 1
+                    self._prev_ids[self.num_sampled] = tokens[pos]
+                    self._prev_slots[self.num_sampled] = \
+                        <int64_t> table[pos // bs] * bs + pos % bs
                 for i in range(s.num_samples):
                     self._sample_rows[self.num_sampled] = t - 1
                     self.sample_seq_ids[self.num_sampled] = s.seq_id + i
@@ -106,4 +115,5 @@ cdef class BatchBuilder:
             seq_lens=self._np_seq_lens[:B], query_start_loc=self._np_qsl[:B + 1],
             seq_ids=self._np_seq_ids[:B], sample_rows=self._np_sample_rows[:S],
             sample_seq_ids=self._np_sample_seq_ids[:S], copy_src=self._np_copy_src[:C],
-            copy_dst=self._np_copy_dst[:C])
+            copy_dst=self._np_copy_dst[:C], num_draft_tokens=self._np_num_draft[:S],
+            draft_prev_ids=self._np_prev_ids[:S], draft_prev_slots=self._np_prev_slots[:S])

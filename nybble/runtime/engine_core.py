@@ -15,17 +15,19 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from nybble.config import EngineConfig, check_model_dir
+from nybble.config import EngineConfig, ModelConfig, check_model_dir
 from nybble.errors import EngineStepError
 from nybble.kernels import get_attention_backend
 from nybble.models.loader import LoadedModel, load_model
 from nybble.runtime.batch import ScheduledBatch
+from nybble.runtime.draft_proposer import DraftProposer
 from nybble.runtime.kv_cache import plan_kv_cache
 from nybble.runtime.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineStats,
     RequestLimits,
+    SpecDecodeStats,
 )
 from nybble.runtime.model_runner import ModelRunner
 from nybble.runtime.scheduler import Scheduler
@@ -77,13 +79,24 @@ class EngineCore:
                              f"{mc.max_logprobs}")
         self.kv_spec = plan_kv_cache(config.cache_config, self.loaded.shape, self.loaded.dtype,
                                      self.device)
-        self.runner = ModelRunner(self.loaded, self.kv_spec, self.device, config)
-        sc = config.scheduler_config
         self.max_model_len = self.loaded.max_model_len
+        spec = config.speculative_config
+        proposer = None
+        if spec is not None and spec.model is not None:
+            proposer = DraftProposer(self._load_draft(backend), self.kv_spec, self.device)
+        self.runner = ModelRunner(self.loaded, self.kv_spec, self.device, config, proposer)
+        sc = config.scheduler_config
+        ngram = spec is not None and spec.method == "ngram"
         self.scheduler = Scheduler(self.kv_spec.num_blocks, self.kv_spec.block_size,
                                    sc.max_num_seqs, sc.max_num_batched_tokens,
                                    self.max_model_len, sc.enable_chunked_prefill,
-                                   enable_prefix_caching=config.cache_config.enable_prefix_caching)
+                                   enable_prefix_caching=config.cache_config.enable_prefix_caching,
+                                   num_lookahead_slots=0 if spec is None
+                                   else spec.num_speculative_tokens,
+                                   ngram_min=spec.lookup_min if ngram else 0,
+                                   ngram_max=spec.lookup_max if ngram else 0)
+        self.spec_stats = SpecDecodeStats.empty(0 if spec is None
+                                                else spec.num_speculative_tokens)
         self._requests: dict[str, _CoreRequest] = {}
         self._seqs: dict[int, tuple[str, int]] = {}  # seq id -> (request id, sample index)
         self._unscheduled: dict[int, str] = {}  # first seq id -> request not yet run
@@ -94,6 +107,31 @@ class EngineCore:
         self._last_finished: list[int] = []
         self._pending: ScheduledBatch | None = None  # scheduled, not yet taken by update()
         self._log_start_up()
+
+    def _load_draft(self, backend) -> LoadedModel:
+        """Load the draft model of speculative decoding, checked against the target.
+
+        Raises:
+            UnsupportedModelError, ValueError: the draft folder cannot serve this target
+                (another tokenizer or vocabulary, a shorter context than ``max_model_len``).
+        """
+        spec, mc = self.config.speculative_config, self.config.model_config
+        assert spec is not None and spec.model is not None
+        spec.check_draft(mc.model, mc.tokenizer_folder)
+        draft_cfg = ModelConfig(model=spec.model, dtype=mc.dtype, device=mc.device,
+                                max_model_len=self.max_model_len)
+        try:
+            draft = load_model(draft_cfg, backend, self.device)
+        except ValueError as e:
+            raise ValueError(f"speculative_config.model must handle the target's "
+                             f"max_model_len ({self.max_model_len}): {e}") from e
+        if draft.dtype != self.loaded.dtype:
+            raise ValueError(f"the draft model's dtype must be the target's "
+                             f"({self.loaded.dtype}), got {draft.dtype}")
+        logger.info("speculative decoding: draft model %s (%d bytes of weights), "
+                    "%d tokens per step; its KV cache shares the target's block tables",
+                    spec.model, draft.weight_bytes, spec.num_speculative_tokens)
+        return draft
 
     def _log_start_up(self) -> None:
         mc, loaded, spec = self.config.model_config, self.loaded, self.kv_spec
@@ -248,14 +286,24 @@ class EngineCore:
         outputs = EngineCoreOutputs(scheduled_time=time.monotonic())
         self._note_scheduled(batch.seq_ids, outputs)
         result = self.runner.execute(batch)
-        seq_ids, tokens, finish = self.scheduler.update(batch, result.token_ids)
+        if result.counts is None:
+            seq_ids, tokens, finish = self.scheduler.update(batch, result.token_ids)
+            logprobs, top_ids, top_lps = result.logprobs, result.top_token_ids, \
+                result.top_logprobs
+        else:   # a speculative step: one output row per emitted token (see update_spec)
+            seq_ids, tokens, finish, index = self.scheduler.update_spec(
+                batch, result.token_ids, result.counts)
+            self.spec_stats.add(batch.num_draft_tokens, result.counts)
+            logprobs, top_ids, top_lps = (
+                None if a is None else a.reshape(-1, *a.shape[2:])[index]
+                for a in (result.logprobs, result.top_token_ids, result.top_logprobs))
         self._pending = None
         # NOTE: plain lists: the message crosses a process boundary, and the API process
         # does not import numpy
         outputs.token_ids, outputs.finish_reasons = tokens.tolist(), finish.tolist()
-        outputs.logprobs = _as_list(result.logprobs)
-        outputs.top_token_ids = _as_list(result.top_token_ids)
-        outputs.top_logprobs = _as_list(result.top_logprobs)
+        outputs.logprobs = _as_list(logprobs)
+        outputs.top_token_ids = _as_list(top_ids)
+        outputs.top_logprobs = _as_list(top_lps)
         self._last_ids, self._last_lens = batch.seq_ids.copy(), batch.seq_lens.copy()
         self._last_finished = []
         for sid in seq_ids.tolist():
@@ -295,4 +343,5 @@ class EngineCore:
                            num_cached_tokens_total=s.num_prefix_hit_tokens,
                            num_prefix_query_tokens_total=s.num_prefix_query_tokens,
                            prefix_cache_hit_rate=s.num_prefix_hit_tokens
-                           / max(s.num_prefix_query_tokens, 1))
+                           / max(s.num_prefix_query_tokens, 1),
+                           spec_decode=self.spec_stats.snapshot())

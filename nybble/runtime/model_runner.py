@@ -23,8 +23,10 @@ from nybble.kernels.interface import AttentionMetadata
 from nybble.models.loader import LoadedModel
 from nybble.runtime.batch import ScheduledBatch
 from nybble.runtime.cuda_graphs import DecodeGraphs, capture_sizes
+from nybble.runtime.draft_proposer import DraftProposer
 from nybble.runtime.host_memory import retain_freed_memory
 from nybble.runtime.kv_cache import KVCacheSpec, allocate_kv_cache
+from nybble.runtime.rejection_sampler import rejection_sample
 from nybble.runtime.sampler import sample
 from nybble.runtime.sampling_table import SamplingTable
 from nybble.runtime.step_inputs import StepInputs
@@ -34,6 +36,10 @@ from nybble.sampling_params import SamplingParams
 @dataclass(slots=True)
 class ModelRunnerOutput:
     """One step's sampled tokens, ``S`` rows in the order of ``batch.sample_rows``.
+
+    A speculative step (``counts`` set) emits ``counts[r]`` tokens for row ``r``: then
+    ``token_ids`` is ``int32[S, W]`` and the logprob arrays gain the same ``W`` axis after
+    ``S`` (see :class:`~nybble.runtime.rejection_sampler.VerifyOutput`).
 
     Attributes:
         token_ids: ``int32[S]`` sampled ids.
@@ -47,6 +53,7 @@ class ModelRunnerOutput:
     logprobs: np.ndarray | None
     top_token_ids: np.ndarray | None
     top_logprobs: np.ndarray | None
+    counts: np.ndarray | None = None
 
 
 def _host(t: torch.Tensor | None) -> np.ndarray | None:
@@ -60,11 +67,12 @@ class ModelRunner:
         loaded: the loaded model.
         spec: the KV pool to allocate.
         device: where the model and cache live.
-        config: the engine configuration (seed, step limits).
+        config: the engine configuration (seed, step limits, speculative decoding).
+        proposer: the draft model of speculative decoding (``None``: none, or n-gram).
     """
 
     def __init__(self, loaded: LoadedModel, spec: KVCacheSpec, device: torch.device,
-                 config: EngineConfig) -> None:
+                 config: EngineConfig, proposer: DraftProposer | None = None) -> None:
         self.model = loaded.model
         self.spec = spec
         self.device = device
@@ -73,6 +81,8 @@ class ModelRunner:
         self.kv_caches = allocate_kv_cache(spec, device)
         self.generator = torch.Generator(device=device).manual_seed(config.model_config.seed)
         self.sampling = SamplingTable(loaded.shape.vocab_size, device)
+        self.speculative = config.speculative_config is not None
+        self.proposer = proposer
         sc, cc = config.scheduler_config, config.compilation_config
         self.inputs = StepInputs(device, sc.max_num_batched_tokens, sc.max_num_seqs,
                                  -(-loaded.max_model_len // spec.block_size))
@@ -102,6 +112,8 @@ class ModelRunner:
         dst_t = self.inputs.put("copy_dst", dst.astype(np.int64))
         for cache in self.kv_caches:
             cache[:, dst_t] = cache[:, src_t]
+        if self.proposer is not None:
+            self.proposer.copy_blocks(src_t, dst_t)
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor,
                                                       AttentionMetadata]:
@@ -137,14 +149,36 @@ class ModelRunner:
         """
         if len(batch.copy_src):
             self._copy_blocks(batch.copy_src, batch.copy_dst)
+        if self.proposer is not None:
+            self.proposer.propose(batch)
         if self.graphs is not None and self.graphs.can_run(batch):
             hidden = self.graphs.run(batch)
         else:
             input_ids, positions, meta = self.prepare(batch)
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if self.speculative and batch.num_draft_tokens.any():
+            return self._verify(hidden, batch)
         logits = self.model.compute_logits(self._sampled_hidden(hidden, batch))
         out = sample(logits, self.sampling.batch(batch.sample_seq_ids), self.generator)
         return ModelRunnerOutput(
             token_ids=_host(out.token_ids).astype(np.int32),
             logprobs=_host(out.logprobs), top_token_ids=_host(out.top_ids),
             top_logprobs=_host(out.top_logprobs))
+
+    def _verify(self, hidden: torch.Tensor, batch: ScheduledBatch) -> ModelRunnerOutput:
+        """Speculative step: the logits of each sample row's last token and drafts (``m + 1``
+        rows), judged by the rejection-sampling rule."""
+        m = batch.num_draft_tokens.astype(np.int64)
+        width = m + 1
+        offsets = np.repeat(np.cumsum(width) - width, width)
+        rows = np.repeat(batch.sample_rows - m, width) + np.arange(int(width.sum())) - offsets
+        # the draft a logits row judges is the next row's input (bonus rows: clamped, unused)
+        drafts = batch.input_ids[np.minimum(rows + 1, batch.num_tokens - 1)]
+        logits = self.model.compute_logits(
+            hidden.index_select(0, torch.from_numpy(rows).to(self.device)))
+        out = rejection_sample(logits, torch.from_numpy(drafts.astype(np.int64)).to(self.device),
+                               batch.num_draft_tokens, self.sampling.batch(batch.sample_seq_ids),
+                               self.generator)
+        return ModelRunnerOutput(token_ids=out.token_ids, logprobs=out.logprobs,
+                                 top_token_ids=out.top_token_ids,
+                                 top_logprobs=out.top_logprobs, counts=out.counts)
