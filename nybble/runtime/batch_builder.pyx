@@ -91,13 +91,14 @@ cdef class BatchBuilder:
             self._max_q = max(self._max_q, n)
             self._max_sl = max(self._max_sl, start + n)
             if start + n == s.num_tokens + s.num_spec:
-                self.sample_num_draft[self.num_sampled] = s.num_spec
+                # NOTE: a row with drafts decodes: it has one sample (groups fork at prefill)
                 if s.num_spec > 0:      # speculative decoding: the draft model's catch-up
                     pos = start - 1
                     self._prev_ids[self.num_sampled] = tokens[pos]
                     self._prev_slots[self.num_sampled] = \
                         <int64_t> table[pos // bs] * bs + pos % bs
                 for i in range(s.num_samples):
+                    self.sample_num_draft[self.num_sampled] = s.num_spec
                     self._sample_rows[self.num_sampled] = t - 1
                     self.sample_seq_ids[self.num_sampled] = s.seq_id + i
                     self.sample_slots[self.num_sampled] = slot

@@ -156,7 +156,7 @@ class ModelRunner:
         else:
             input_ids, positions, meta = self.prepare(batch)
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        if self.speculative and batch.num_draft_tokens.any():
+        if self.speculative:    # NOTE: every step, so a seeded sample's noise is per position
             return self._verify(hidden, batch)
         logits = self.model.compute_logits(self._sampled_hidden(hidden, batch))
         out = sample(logits, self.sampling.batch(batch.sample_seq_ids), self.generator)
@@ -177,8 +177,8 @@ class ModelRunner:
         logits = self.model.compute_logits(
             hidden.index_select(0, torch.from_numpy(rows).to(self.device)))
         out = rejection_sample(logits, torch.from_numpy(drafts.astype(np.int64)).to(self.device),
-                               batch.num_draft_tokens, self.sampling.batch(batch.sample_seq_ids),
-                               self.generator)
+                               batch.num_draft_tokens, batch.positions[rows] + 1,
+                               self.sampling.batch(batch.sample_seq_ids), self.generator)
         return ModelRunnerOutput(token_ids=out.token_ids, logprobs=out.logprobs,
                                  top_token_ids=out.top_token_ids,
                                  top_logprobs=out.top_logprobs, counts=out.counts)

@@ -10,11 +10,18 @@ replacement from ``norm(max(0, p_i - q_i))``; if all ``m`` are accepted, draw a 
 
 Both of nybble's proposers are deterministic (the draft model proposes its argmax, n-gram
 lookup a copy), so ``q_i`` is one-hot on ``d_i``: ``d_i`` is accepted with probability
-``p_i(d_i)``, and the replacement is drawn from ``p_i`` with ``d_i`` removed. A greedy row
-(temperature 0) accepts ``d_i`` iff it is ``argmax p_i``, and replaces it by that argmax: the
-output is the target's greedy output token for token. ``p`` is the target's distribution
-after the request's temperature, top-k, top-p and min-p (:func:`nybble.runtime.sampler`),
-and the draws of a seeded request come from its own generator.
+``p_i(d_i)``, and the replacement is drawn from ``p_i`` with ``d_i`` removed, renormalised.
+This is realised by coupling: at every verified position the target draws its own token
+``t_i ~ p_i`` (the sampler's exponential race, ``argmax(p_i / E)``), and ``d_i`` is accepted
+iff ``d_i == t_i`` -- probability ``p_i(d_i)`` -- while on a rejection ``t_i`` is emitted,
+which given ``t_i != d_i`` is distributed as ``p_i`` without ``d_i``: the rule above, exactly.
+A greedy row (temperature 0) thus accepts ``d_i`` iff it is ``argmax p_i``: the output is the
+target's greedy output token for token. ``p`` is the target's distribution after the
+request's temperature, top-k, top-p and min-p (:mod:`nybble.runtime.sampler`).
+
+A seeded request draws the noise of each position from a generator seeded by its own seed and
+the position (:func:`position_seed`), so its tokens depend neither on the batch nor on how
+the scheduler split its proposals (budget, preemption).
 """
 from __future__ import annotations
 
@@ -59,26 +66,34 @@ def _expand(params: SamplingBatch, row_of: torch.Tensor) -> SamplingBatch:
                          use_top_k_top_p=params.use_top_k_top_p, use_min_p=params.use_min_p)
 
 
-def _draws(sub: SamplingBatch, num_rows: int, vocab: int, default: torch.Generator | None,
-           device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Uniform ``[R]`` and exponential ``[R, vocab]`` draws for the random logits rows; a
-    seeded row draws from its own generator (consecutive rows of one sample in order)."""
-    uniform = torch.empty(num_rows, device=device)
-    noise = torch.empty(num_rows, vocab, device=device)
+def position_seed(seed: int, position: int) -> int:
+    """The seed of a seeded sample's noise at token ``position`` (splitmix64 of the pair)."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
+
+
+def _noise(sub: SamplingBatch, positions: list[int], vocab: int,
+           default: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """``Exp(1)`` noise ``[R, vocab]`` for the random logits rows: rows without a seed from
+    ``default``, a seeded row from its seed and its token's position."""
+    noise = torch.empty(len(positions), vocab, device=device)
     unseeded = [i for i, g in enumerate(sub.generators) if g is None]
     if unseeded:
-        uniform[unseeded] = torch.rand(len(unseeded), device=device, generator=default)
         noise[unseeded] = torch.empty(len(unseeded), vocab, device=device
                                       ).exponential_(generator=default)
     for i, gen in enumerate(sub.generators):
         if gen is not None:
-            uniform[i:i + 1].uniform_(generator=gen)
-            noise[i].exponential_(generator=gen)
-    return uniform, noise
+            g = torch.Generator(device=device).manual_seed(
+                position_seed(gen.initial_seed(), positions[i]))
+            noise[i].exponential_(generator=g)
+    return noise
 
 
 def rejection_sample(logits: torch.Tensor, draft_ids: torch.Tensor, num_draft: np.ndarray,
-                     params: SamplingBatch, generator: torch.Generator | None) -> VerifyOutput:
+                     positions: np.ndarray, params: SamplingBatch,
+                     generator: torch.Generator | None) -> VerifyOutput:
     """Verify the drafts of ``S`` sample rows (see the module docstring for the rule).
 
     Args:
@@ -87,6 +102,7 @@ def rejection_sample(logits: torch.Tensor, draft_ids: torch.Tensor, num_draft: n
             its drafts then of the bonus token.
         draft_ids: ``[N]`` int64, the draft each logits row judges (any value on bonus rows).
         num_draft: ``int32[S]`` drafts ``m`` per sample row (0: an ordinary sample).
+        positions: ``int64[N]`` the position the token of each logits row takes (tokens).
         params: sampling parameters of the ``S`` sample rows.
         generator: generator of the rows without a seed.
 
@@ -102,21 +118,14 @@ def rejection_sample(logits: torch.Tensor, draft_ids: torch.Tensor, num_draft: n
     pos_in_row = torch.arange(N, device=device) - starts[row_of]
     is_draft_row = pos_in_row < m[row_of]
     target = logits.argmax(dim=-1)
-    accept = target == draft_ids
     if not params.all_greedy:
         sub = _expand(params, row_of)
         if sub.random_rows.numel():
             rr = sub.random_rows
             probs = filter_logits(logits[rr], sub).softmax(dim=-1)
-            uniform, noise = _draws(sub, rr.numel(), vocab, generator, device)
-            drafted = draft_ids[rr].clamp(0, vocab - 1)
-            p_draft = probs.gather(-1, drafted[:, None])[:, 0]
-            accept[rr] = uniform < p_draft
-            # NOTE: q is one-hot on the draft: the residual max(0, p - q) is p without it
-            residual = torch.where(is_draft_row[rr, None] & (torch.arange(vocab, device=device)
-                                   == drafted[:, None]), 0.0, probs)
-            target[rr] = (residual / noise).argmax(dim=-1)
-    accept &= is_draft_row
+            noise = _noise(sub, positions[rr.cpu().numpy()].tolist(), vocab, generator, device)
+            target[rr] = (probs / noise).argmax(dim=-1)
+    accept = (target == draft_ids) & is_draft_row
     W = int(num_draft.max()) + 1 if S else 1
     cols = torch.arange(W, device=device)
     index = (starts[:, None] + cols[None, :]).clamp(max=max(N - 1, 0))
