@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
+
 from nybble.runtime.rejection_sampler import rejection_sample
 from nybble.runtime.sampler import SamplingBatch
 

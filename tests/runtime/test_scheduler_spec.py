@@ -42,8 +42,8 @@ def test_ngram_matches_reference(seed: int) -> None:
 
 
 def _cfg(**kw: int) -> dict[str, int]:
-    cfg = dict(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
-               max_model_len=64)
+    cfg = {"num_blocks": 64, "block_size": 4, "max_num_seqs": 8,
+           "max_num_batched_tokens": 64, "max_model_len": 64}
     cfg.update(kw)
     return cfg
 
@@ -113,7 +113,7 @@ def test_random_speculative_runs_keep_the_pool_consistent(seed: int) -> None:
     cfg = _cfg(num_blocks=int(rng.integers(14, 40)), max_num_seqs=6,
                max_num_batched_tokens=int(rng.integers(8, 40)))
     k = int(rng.integers(1, 5))
-    ngram = dict(ngram_min=1, ngram_max=2) if seed % 2 else {}
+    ngram = {"ngram_min": 1, "ngram_max": 2} if seed % 2 else {}
     s = _sched(cfg, k, **ngram)
     want: dict[int, list[int]] = {}
     limit: dict[int, int] = {}

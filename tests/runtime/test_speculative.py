@@ -23,7 +23,8 @@ PROMPTS = ["Once upon a time", "The little dog", "Lily and Tom went to the park.
            "A cat, a cat, a cat, a cat,", "Ben wanted to play", "Mom said,",
            "Once upon a time, there was a big farm", "Once upon a time, there was a little"]
 # Tight pool: 24 blocks of 8 tokens for up to 12 sequences of ~80 tokens forces preemption.
-TIGHT = dict(num_gpu_blocks=24, block_size=8, max_num_seqs=12, enable_prefix_caching=True)
+TIGHT = {"num_gpu_blocks": 24, "block_size": 8, "max_num_seqs": 12,
+         "enable_prefix_caching": True}
 
 
 def _greedy(max_tokens: list[int]) -> list[SamplingParams]:

@@ -68,9 +68,9 @@ def test_speculative_decoding_counters_follow_the_engine() -> None:
     from nybble.server.metrics import ServerMetrics
 
     metrics = ServerMetrics("m")
-    base = dict(num_running=1, num_waiting=0, num_free_blocks=9, num_blocks=10,
-                kv_cache_usage=0.1, num_preemptions=0, peak_num_seqs_in_step=1, num_steps=3,
-                num_live_tokens=5, block_size=16)
+    base = {"num_running": 1, "num_waiting": 0, "num_free_blocks": 9, "num_blocks": 10,
+            "kv_cache_usage": 0.1, "num_preemptions": 0, "peak_num_seqs_in_step": 1,
+            "num_steps": 3, "num_live_tokens": 5, "block_size": 16}
     metrics.observe(StepRecord([], EngineStats(**base)))
     assert b"spec_decode" not in metrics.render()
     for spec in (SpecDecodeStats(2, 6, 3, [2, 1, 0]), SpecDecodeStats(5, 15, 9, [5, 3, 1])):
