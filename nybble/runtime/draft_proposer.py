@@ -11,14 +11,20 @@ decisions at every step, twice.
 
 Per step (:meth:`DraftProposer.propose`), all in batched forwards of the draft model:
 
-1. one varlen forward over every row of the batch: a row without drafts feeds the draft the
-   target's tokens of the step (prefill chunks, recompute after preemption, plain decode), so
-   the draft's cache follows the target's; a row with ``m`` drafts feeds the token before its
-   last one and its last one (the token before is rewritten because it may be a draft the
-   draft never fed itself: the last of the previous step's, when all were accepted). The
+1. one forward over every row: a row without drafts feeds the draft the target's tokens of
+   the step (prefill chunks, recompute after preemption, plain decode), so the draft's cache
+   follows the target's; a row with ``m`` drafts feeds its last token, preceded by the token
+   before it when the sequence's previous proposal was accepted whole (its last draft was
+   then never fed to the draft: :meth:`DraftProposer.note_verified` tracks those sequences).
+   When every row feeds one token this is a decode forward (the fast decode kernel). The
    draft's argmax at the last token is the first proposal;
 2. ``max m - 1`` decode forwards over the rows that still need proposals, each feeding the
    previous proposal at its position and slot.
+
+NOTE: the draft's cache may miss one position of a sequence (its proposal was accepted whole
+and its next step had no drafts; or a prefix-cache hit on a block whose last position was
+such a draft): that can lower the acceptance rate, never change the output, which the
+target's verification alone decides.
 
 Proposals are the draft's argmax (a one-hot proposal distribution, see
 :mod:`nybble.runtime.rejection_sampler`); they are written into the batch's ``input_ids`` at
@@ -64,6 +70,21 @@ class DraftProposer:
         self.spec = KVCacheSpec(shape.num_layers, shape.num_kv_heads, shape.head_dim,
                                 loaded.dtype, target_spec.block_size, target_spec.num_blocks)
         self.kv_caches = allocate_kv_cache(self.spec, device)
+        # sequences whose last accepted draft the draft model has not fed yet
+        self.lagging: set[int] = set()
+
+    def note_verified(self, seq_ids: np.ndarray, num_draft: np.ndarray,
+                      counts: np.ndarray) -> None:
+        """After a step: sample row ``r`` (sequence ``seq_ids[r]``) had ``num_draft[r]``
+        drafts and emitted ``counts[r]`` tokens; a proposal accepted whole leaves the
+        sequence lagging by one fed token."""
+        whole = (num_draft > 0) & (counts == num_draft + 1)
+        self.lagging.difference_update(seq_ids[~whole].tolist())
+        self.lagging.update(seq_ids[whole].tolist())
+
+    def forget(self, seq_ids) -> None:
+        """Drop finished or aborted sequences."""
+        self.lagging.difference_update(seq_ids)
 
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy-on-write in the draft's cache too (the same pairs as the target's)."""
@@ -75,6 +96,8 @@ class DraftProposer:
         t = torch.from_numpy(np.ascontiguousarray(ids)).to(self.device)
         p = torch.from_numpy(np.ascontiguousarray(pos)).to(self.device)
         hidden = self.model(t, p, self.kv_caches, meta)
+        if not len(rows):
+            return np.zeros(0, np.int32)
         index = torch.from_numpy(rows.astype(np.int64)).to(self.device)
         logits = self.model.compute_logits(hidden.index_select(0, index))
         return logits.argmax(dim=-1).to(torch.int32).cpu().numpy()
@@ -93,18 +116,23 @@ class DraftProposer:
         m_row[rows] = batch.num_draft_tokens[spec]
         prev_ids[rows], prev_slots[rows] = batch.draft_prev_ids[spec], batch.draft_prev_slots[spec]
         is_spec = m_row > 0
-        # 1. one varlen forward: a spec row feeds [token before the last, last token]
-        new_len = np.where(is_spec, 2, qlen)
+        # NOTE: feeding the token before the last again is always correct (same token, same
+        # prefix); it is needed only where the previous proposal was accepted whole
+        lagging = np.zeros(batch.num_seqs, bool)
+        if self.lagging:
+            lagging[rows] = np.isin(batch.sample_seq_ids[spec], list(self.lagging))
+        # 1. one forward: a spec row feeds [token before the last if lagging, last token]
+        new_len = np.where(is_spec, 1 + lagging, qlen)
         new_qsl = np.zeros(batch.num_seqs + 1, np.int32)
         np.cumsum(new_len, out=new_qsl[1:])
         rel = np.arange(new_qsl[-1]) - np.repeat(new_qsl[:-1], new_len)
-        src = np.repeat(starts, new_len) + rel - np.repeat(is_spec, new_len)
+        src = np.repeat(starts, new_len) + rel - np.repeat(lagging, new_len)
         ids, pos = batch.input_ids[src], batch.positions[src].copy()
         slots = batch.slot_mapping[src].copy()
-        prev = np.repeat(is_spec, new_len) & (rel == 0)
-        first = starts[is_spec]
-        ids[prev], pos[prev], slots[prev] = prev_ids[is_spec], batch.positions[first] - 1, \
-            prev_slots[is_spec]
+        prev = np.repeat(lagging, new_len) & (rel == 0)
+        first = starts[lagging]
+        ids[prev], pos[prev], slots[prev] = prev_ids[lagging], batch.positions[first] - 1, \
+            prev_slots[lagging]
         seq_lens = np.where(is_spec, batch.positions[starts] + 1, batch.seq_lens)
         meta = _metadata(slots, new_qsl, seq_lens, batch.block_tables, self.device)
         spec_rows = np.flatnonzero(is_spec)

@@ -104,7 +104,10 @@ class ModelRunner:
 
     def remove_sequences(self, seq_ids: Iterable[int]) -> None:
         """Drop the sampling rows of finished or aborted sequences."""
+        seq_ids = list(seq_ids)
         self.sampling.remove(seq_ids)
+        if self.proposer is not None:
+            self.proposer.forget(seq_ids)
 
     def _copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
         """Copy-on-write: duplicate KV blocks ``src[i] -> dst[i]`` in every layer."""
@@ -179,6 +182,8 @@ class ModelRunner:
         out = rejection_sample(logits, torch.from_numpy(drafts.astype(np.int64)).to(self.device),
                                batch.num_draft_tokens, batch.positions[rows] + 1,
                                self.sampling.batch(batch.sample_seq_ids), self.generator)
+        if self.proposer is not None:
+            self.proposer.note_verified(batch.sample_seq_ids, batch.num_draft_tokens, out.counts)
         return ModelRunnerOutput(token_ids=out.token_ids, logprobs=out.logprobs,
                                  top_token_ids=out.top_token_ids,
                                  top_logprobs=out.top_logprobs, counts=out.counts)
