@@ -26,7 +26,8 @@ MB = ceil(max_model_len / block_size))::
     draft_prev_ids  int32[S]      where m > 0: the token before the row's last one, and its
     draft_prev_slots int64[S]     KV slot (a draft model rewrites it; see model_runner)
 
-The last three are ``None`` from the reference scheduler (no speculative decoding).
+The last three are ``None`` unless the scheduler was built for speculative decoding
+(``num_lookahead_slots > 0``; never from the reference scheduler).
 """
 from __future__ import annotations
 

@@ -46,6 +46,7 @@ cdef class BatchBuilder:
     # _max_q/_max_sl  int32     max query length / max seq length of the batch (tokens)
     # _row_table_len  int32[R]  valid block-table entries written to row r last time
     cdef int32_t _block_size
+    cdef bint _speculative                # rows may carry drafts (fill the spec arrays)
     cdef int32_t _max_q
     cdef int32_t _max_sl
     cdef int32_t* _row_table_len

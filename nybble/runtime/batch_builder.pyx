@@ -26,11 +26,14 @@ cdef class BatchBuilder:
         max_num_batched_tokens: tokens T per step.
         max_blocks_per_seq: block-table width MB (blocks).
         block_size: tokens per KV block.
+        speculative: rows may carry draft tokens (fills ``num_draft_tokens`` and the draft
+            model's catch-up arrays; off: they are ``None`` and cost nothing).
     """
 
     def __init__(self, int max_num_seqs, int max_num_batched_tokens, int max_blocks_per_seq,
-                 int block_size):
+                 int block_size, bint speculative=False):
         self._block_size = block_size
+        self._speculative = speculative
         cdef size_t rows = max_num_seqs * sizeof(int32_t)
         self.row_slots = <int32_t*> grow_buffer(NULL, rows)
         self._row_table_len = <int32_t*> grow_buffer(NULL, rows)
@@ -98,7 +101,8 @@ cdef class BatchBuilder:
                     self._prev_slots[self.num_sampled] = \
                         <int64_t> table[pos // bs] * bs + pos % bs
                 for i in range(s.num_samples):
-                    self.sample_num_draft[self.num_sampled] = s.num_spec
+                    if self._speculative:
+                        self.sample_num_draft[self.num_sampled] = s.num_spec
                     self._sample_rows[self.num_sampled] = t - 1
                     self.sample_seq_ids[self.num_sampled] = s.seq_id + i
                     self.sample_slots[self.num_sampled] = slot
@@ -116,5 +120,7 @@ cdef class BatchBuilder:
             seq_lens=self._np_seq_lens[:B], query_start_loc=self._np_qsl[:B + 1],
             seq_ids=self._np_seq_ids[:B], sample_rows=self._np_sample_rows[:S],
             sample_seq_ids=self._np_sample_seq_ids[:S], copy_src=self._np_copy_src[:C],
-            copy_dst=self._np_copy_dst[:C], num_draft_tokens=self._np_num_draft[:S],
-            draft_prev_ids=self._np_prev_ids[:S], draft_prev_slots=self._np_prev_slots[:S])
+            copy_dst=self._np_copy_dst[:C],
+            num_draft_tokens=self._np_num_draft[:S] if self._speculative else None,
+            draft_prev_ids=self._np_prev_ids[:S] if self._speculative else None,
+            draft_prev_slots=self._np_prev_slots[:S] if self._speculative else None)

@@ -107,7 +107,7 @@ cdef class Scheduler:
         cdef int32_t max_blocks_per_seq = cdiv(max_model_len, block_size)
         self._seqs = SequenceTable(self._allocator, max_model_len, max_blocks_per_seq)
         self._batch = BatchBuilder(max_num_seqs, max_num_batched_tokens, max_blocks_per_seq,
-                                   block_size)
+                                   block_size, num_lookahead_slots > 0)
 
     # ---- C core (GIL released; errors are negative AllocStatus codes) -------------------------
 
@@ -285,7 +285,8 @@ cdef class Scheduler:
             was in flight.
 
         Raises:
-            ValueError: ``batch`` is not the pending batch, or ``sampled`` has the wrong shape.
+            ValueError: ``batch`` is not the pending batch, ``sampled`` has the wrong shape,
+                or the batch holds draft tokens (those go to :meth:`update_spec`).
             RuntimeError: the block bookkeeping is corrupt (a bug).
         """
         self._check_pending(batch)
@@ -293,6 +294,9 @@ cdef class Scheduler:
         cdef int32_t S = self._batch.num_sampled
         if arr.ndim != 1 or arr.shape[0] != S:
             raise ValueError(f"`sampled` must have shape ({S},), got {arr.shape}")
+        if self.num_lookahead_slots > 0 and batch.num_draft_tokens.any():
+            raise ValueError("a batch with draft tokens must be passed to update_spec(), "
+                             "got update()")
         self._inflight = None
         ids, tokens, finish = np.empty(S, np.int64), np.empty(S, np.int32), np.empty(S, np.int8)
         self._seqs.apply_step(self._batch, arr, ids, tokens, finish)

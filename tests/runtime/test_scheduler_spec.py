@@ -165,5 +165,7 @@ def test_update_spec_checks_counts() -> None:
     b = s.schedule()
     with pytest.raises(ValueError, match="counts"):
         s.update_spec(b, np.zeros((1, 3), np.int32), np.array([4], np.int32))
+    with pytest.raises(ValueError, match="must be passed to update_spec"):
+        s.update(b, np.zeros(1, np.int32))
     with pytest.raises(ValueError, match="num_lookahead_slots"):
         Scheduler(8, 4, 2, 16, 32, num_lookahead_slots=2, ngram_min=3, ngram_max=2)

@@ -133,3 +133,17 @@ def test_cli_flag_builds_the_config() -> None:
         ("ngram", 3, 3, 1)
     assert engine_config_from_args(parser.parse_args([])).speculative_config is None
     assert os.path.isdir(TARGET)
+
+
+def test_stats_log_line_reports_the_interval_acceptance(caplog) -> None:
+    import logging
+    from types import SimpleNamespace
+
+    from nybble.runtime.async_engine import AsyncEngine
+    from nybble.runtime.messages import SpecDecodeStats
+    host = SimpleNamespace(_spec_seen=SpecDecodeStats(2, 6, 3, [2, 1, 0]))
+    with caplog.at_level(logging.INFO, logger="nybble.runtime.async_engine"):
+        AsyncEngine._log_spec_decode(host, SpecDecodeStats(6, 18, 12, [6, 4, 2]))
+    # the interval: 4 drafts, 12 drafted, 9 accepted -> 75%, 1 + 9 / 4 tokens per draft
+    assert ("speculative decoding: acceptance rate 75.0%, mean acceptance length 3.25 tokens, "
+            "drafted 12 tokens, accepted 9 tokens") in caplog.text
