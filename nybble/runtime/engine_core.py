@@ -305,6 +305,9 @@ class EngineCore:
         outputs.top_token_ids = _as_list(top_ids)
         outputs.top_logprobs = _as_list(top_lps)
         self._last_ids, self._last_lens = batch.seq_ids.copy(), batch.seq_lens.copy()
+        if result.counts is not None:   # rejected drafts hold no live KV
+            rows = np.searchsorted(batch.query_start_loc, batch.sample_rows + 1) - 1
+            np.subtract.at(self._last_lens, rows, batch.num_draft_tokens + 1 - result.counts)
         self._last_finished = []
         for sid in seq_ids.tolist():
             rid, index = self._seqs[sid]

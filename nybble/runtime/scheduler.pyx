@@ -328,6 +328,9 @@ cdef class Scheduler:
         num = np.ascontiguousarray(counts, dtype=np.int32)
         cdef int32_t S = self._batch.num_sampled
         drafts = batch.num_draft_tokens
+        if drafts is None:
+            raise ValueError("update_spec() needs a scheduler built with num_lookahead_slots "
+                             "> 0, got a batch without draft counts")
         if arr.ndim != 2 or arr.shape[0] != S or num.shape != (S,):
             raise ValueError(f"`sampled` must have shape ({S}, W) and `counts` ({S},), got "
                              f"{arr.shape} and {num.shape}")

@@ -147,3 +147,51 @@ def test_stats_log_line_reports_the_interval_acceptance(caplog) -> None:
     # the interval: 4 drafts, 12 drafted, 9 accepted -> 75%, 1 + 9 / 4 tokens per draft
     assert ("speculative decoding: acceptance rate 75.0%, mean acceptance length 3.25 tokens, "
             "drafted 12 tokens, accepted 9 tokens") in caplog.text
+
+
+def test_a_failed_speculative_step_rolls_back_cleanly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A verification that raises fails only its batch's requests; blocks, sampling rows
+    and the draft's bookkeeping are all released, and the engine goes on."""
+    from nybble.errors import EngineStepError
+    from nybble.runtime import model_runner
+    from tests.runtime.engine_helpers import assert_idle_and_clean, make_engine
+
+    engine = make_engine(max_num_seqs=2, num_gpu_blocks=64,
+                         speculative_config={"model": DEFAULT_MODEL, "num_speculative_tokens": 3})
+    real, calls = model_runner.rejection_sample, []
+
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 5:
+            raise RuntimeError("injected")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(model_runner, "rejection_sample", flaky)
+    for i, prompt in enumerate(PROMPTS[:4]):
+        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=20))
+    failed, done = [], {}
+    while engine.has_unfinished_requests():
+        try:
+            outs = engine.step()
+        except EngineStepError as e:
+            failed += e.request_ids
+            continue
+        done.update({o.request_id: o.outputs[0].token_ids for o in outs if o.finished})
+    assert len(failed) == 2 and set(done) == {"0", "1", "2", "3"} - set(failed)
+    assert all(len(t) == 20 for t in done.values())
+    assert_idle_and_clean(engine)
+    assert not engine.engine_core.runner.proposer.lagging
+
+
+def test_draft_equal_to_target_accepts_everything() -> None:
+    """The bundled model drafting for itself: every proposal is accepted (the acceptance
+    counters are exact), and the output is the model's own greedy output."""
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    want = LLM(DEFAULT_MODEL, num_gpu_blocks=64).generate(PROMPTS[:3], params, use_tqdm=False)
+    llm = LLM(DEFAULT_MODEL, num_gpu_blocks=64,
+              speculative_config={"model": DEFAULT_MODEL, "num_speculative_tokens": 3})
+    got = llm.generate(PROMPTS[:3], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    spec = llm.llm_engine.engine_core.get_stats().spec_decode
+    assert spec.num_accepted_tokens == spec.num_draft_tokens > 0
+    assert spec.accepted_per_pos == [spec.num_drafts] * 3
