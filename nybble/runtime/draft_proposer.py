@@ -53,6 +53,20 @@ def _metadata(slots: np.ndarray, qsl: np.ndarray, seq_lens: np.ndarray,
         is_decode_only=bool((q == 1).all()))
 
 
+def decode_rows_metadata(slots: np.ndarray, positions: np.ndarray, block_tables: np.ndarray,
+                         row_of_token: np.ndarray, device: torch.device) -> AttentionMetadata:
+    """Metadata that runs a varlen batch of short rows as one decode row per token.
+
+    Token ``t`` (position ``p``, row ``row_of_token[t]``) becomes a decode row whose sequence
+    is its row's first ``p + 1`` tokens: every layer writes the K/V of all tokens before it
+    attends, so the row sees exactly the keys causal attention allows. The backend's decode
+    kernel then verifies the ``m + 1`` positions of a speculative row, as it computes a plain
+    decode position (the same arithmetic as without speculation).
+    """
+    return _metadata(slots, np.arange(len(positions) + 1, dtype=np.int32),
+                     (positions + 1).astype(np.int32), block_tables[row_of_token], device)
+
+
 class DraftProposer:
     """The draft model and its KV cache (see the module docstring).
 
@@ -133,8 +147,13 @@ class DraftProposer:
         first = starts[lagging]
         ids[prev], pos[prev], slots[prev] = prev_ids[lagging], batch.positions[first] - 1, \
             prev_slots[lagging]
-        seq_lens = np.where(is_spec, batch.positions[starts] + 1, batch.seq_lens)
-        meta = _metadata(slots, new_qsl, seq_lens, batch.block_tables, self.device)
+        if new_len.max() <= 2:      # decode rows only: one decode row per token
+            meta = decode_rows_metadata(slots, pos, batch.block_tables,
+                                        np.repeat(np.arange(batch.num_seqs), new_len),
+                                        self.device)
+        else:
+            seq_lens = np.where(is_spec, batch.positions[starts] + 1, batch.seq_lens)
+            meta = _metadata(slots, new_qsl, seq_lens, batch.block_tables, self.device)
         spec_rows = np.flatnonzero(is_spec)
         if not len(spec_rows):
             self._argmax(ids, pos, meta, np.zeros(0, np.int64))

@@ -23,7 +23,7 @@ from nybble.kernels.interface import AttentionMetadata
 from nybble.models.loader import LoadedModel
 from nybble.runtime.batch import ScheduledBatch
 from nybble.runtime.cuda_graphs import DecodeGraphs, capture_sizes
-from nybble.runtime.draft_proposer import DraftProposer
+from nybble.runtime.draft_proposer import DraftProposer, decode_rows_metadata
 from nybble.runtime.host_memory import retain_freed_memory
 from nybble.runtime.kv_cache import KVCacheSpec, allocate_kv_cache
 from nybble.runtime.rejection_sampler import rejection_sample
@@ -158,6 +158,13 @@ class ModelRunner:
             hidden = self.graphs.run(batch)
         else:
             input_ids, positions, meta = self.prepare(batch)
+            if self.speculative and batch.max_query_len > 1 and \
+                    batch.num_tokens == batch.num_seqs + int(batch.num_draft_tokens.sum()):
+                # NOTE: decode rows and their drafts only: verify them with the decode kernel
+                meta = decode_rows_metadata(
+                    batch.slot_mapping, batch.positions, batch.block_tables,
+                    np.repeat(np.arange(batch.num_seqs), np.diff(batch.query_start_loc)),
+                    self.device)
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
         if self.speculative:    # NOTE: every step, so a seeded sample's noise is per position
             return self._verify(hidden, batch)
