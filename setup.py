@@ -32,7 +32,7 @@ extensions = [
         extra_compile_args=["-O3"],
     )
     for name in ("sequence", "prefix_cache", "block_allocator", "batch_builder", "seq_table",
-                 "scheduler")
+                 "scheduler", "ngram")
 ]
 # The CPU paged decode attention kernel (nybble/kernels/cpu_attention.pyx).
 # NOTE: -fassociative-math (with the flags it needs) lets GCC vectorise the dot products'

@@ -279,6 +279,119 @@ class CompilationConfig:
                                  all(1 <= b <= MAX_CUDA_GRAPH_SIZE for b in sizes)),
                "cuda_graph_sizes", f"non-empty batch sizes in [1, {MAX_CUDA_GRAPH_SIZE}]", sizes)
 
+_SPEC_METHODS = ("ngram", "draft_model")
+_SPEC_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max",
+              "prompt_lookup_min")
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's ``--speculative-config`` keys).
+
+    Attributes:
+        method: ``ngram`` (proposals looked up in the sequence's own tokens, no model) or
+            ``draft_model`` (a small model with the target's tokenizer proposes); default:
+            ``draft_model`` when ``model`` is set, else ``ngram``.
+        model: the draft model folder (``draft_model`` only).
+        num_speculative_tokens: tokens proposed per sequence and step, ``k`` (1..16); the
+            target verifies ``k + 1`` positions per sequence in one forward.
+        prompt_lookup_max, prompt_lookup_min: ``ngram`` only: the longest and shortest
+            suffix n-gram looked up (tokens; default 4 and 1).
+    """
+
+    method: str = "ngram"
+    model: str | None = None
+    num_speculative_tokens: int = 3
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+
+    def __post_init__(self) -> None:
+        _check(self.method in _SPEC_METHODS, "speculative_config.method",
+               f"one of {_SPEC_METHODS}", self.method)
+        k = self.num_speculative_tokens
+        _check(isinstance(k, int) and 1 <= k <= MAX_SPECULATIVE_TOKENS,
+               "speculative_config.num_speculative_tokens",
+               f"an int in [1, {MAX_SPECULATIVE_TOKENS}]", k)
+        if self.method == "draft_model":
+            _check(isinstance(self.model, str) and bool(self.model), "speculative_config.model",
+                   "a draft model folder when method is 'draft_model'", self.model)
+            _check(self.prompt_lookup_max is None and self.prompt_lookup_min is None,
+                   "speculative_config.prompt_lookup_max/min", "unset with a draft model",
+                   (self.prompt_lookup_max, self.prompt_lookup_min))
+        else:
+            _check(self.model is None, "speculative_config.model",
+                   "unset when method is 'ngram'", self.model)
+            for name in ("prompt_lookup_max", "prompt_lookup_min"):
+                v = getattr(self, name)
+                _check(v is None or (isinstance(v, int) and v >= 1),
+                       f"speculative_config.{name}", "an int >= 1", v)
+            _check(self.lookup_min <= self.lookup_max, "speculative_config.prompt_lookup_min",
+                   f"<= prompt_lookup_max ({self.lookup_max})", self.lookup_min)
+
+    @property
+    def lookup_max(self) -> int:
+        """The longest n-gram looked up (tokens)."""
+        if self.prompt_lookup_max is not None:
+            return self.prompt_lookup_max
+        return max(4, self.prompt_lookup_min or 1)
+
+    @property
+    def lookup_min(self) -> int:
+        """The shortest n-gram looked up (tokens)."""
+        return self.prompt_lookup_min if self.prompt_lookup_min is not None else 1
+
+    @classmethod
+    def from_dict(cls, value: dict[str, Any] | str) -> SpeculativeConfig:
+        """Build from vLLM's JSON object (a dict, or its JSON text).
+
+        Raises:
+            ValueError: not a JSON object, an unknown key, or a value out of range.
+        """
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise ValueError(f"speculative_config must be a JSON object, got {value!r} "
+                                 f"({e})") from None
+        _check(isinstance(value, dict), "speculative_config", "a JSON object", value)
+        unknown = sorted(set(value) - set(_SPEC_KEYS))
+        _check(not unknown, "speculative_config keys", f"among {_SPEC_KEYS}", unknown)
+        args = dict(value)
+        args.setdefault("method", "draft_model" if args.get("model") else "ngram")
+        return cls(**args)
+
+    def check_draft(self, target_model: str, target_tokenizer: str) -> None:
+        """Check, cheaply, that the draft model can serve the target: a model folder whose
+        vocabulary size and tokenizer files equal the target's (speculative decoding compares
+        token ids, so both models must speak the same ones). No-op for ``ngram``.
+
+        Raises:
+            UnsupportedModelError: the draft folder is missing or has no ``config.json``.
+            ValueError: the vocabulary sizes or the tokenizer files differ.
+        """
+        if self.model is None:
+            return
+        check_model_dir(self.model)
+        vocab = [_read_json(os.path.join(d, "config.json")).get("vocab_size")
+                 for d in (self.model, target_model)]
+        _check(vocab[0] == vocab[1], "the draft model's vocab_size",
+               f"the target's ({vocab[1]})", vocab[0])
+        for name in (TOKENIZER_FILE, "tokenizer.model", "tokenizer_config.json"):
+            files = [os.path.join(self.model, name), os.path.join(target_tokenizer, name)]
+            if os.path.isfile(files[1]) and _file_bytes(files[0]) != _file_bytes(files[1]):
+                raise ValueError(f"the draft model's {name} must equal the target's "
+                                 f"({files[1]}): draft and target must share one tokenizer, "
+                                 f"got a different or missing {files[0]}")
+
+
+def _file_bytes(path: str) -> bytes | None:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError:
+        return None
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -290,6 +403,8 @@ class EngineConfig:
             paged decode kernel, torch for prefill), ``torch`` (the pure-torch reference) or
             ``triton``.
         disable_log_stats: do not log the periodic stats line.
+        speculative_config: speculative decoding, or ``None`` (off); ``from_kwargs`` takes
+            vLLM's dict (or its JSON text).
         threads: torch intra-op threads of the process that runs the model; ``None``: the
             default of :func:`nybble.threads.resolve_threads`.
     """
@@ -301,6 +416,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     disable_log_stats: bool = False
     threads: int | None = None
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         _check(self.attention_backend in _ATTN_BACKENDS, "attention_backend",
@@ -327,6 +443,9 @@ class EngineConfig:
                     break
             else:
                 raise TypeError(f"unknown engine argument {key!r}")
+        spec = parts[cls].get("speculative_config")
+        if spec is not None and not isinstance(spec, SpeculativeConfig):
+            parts[cls]["speculative_config"] = SpeculativeConfig.from_dict(spec)
         return cls(model_config=ModelConfig(**parts[ModelConfig]),
                    cache_config=CacheConfig(**parts[CacheConfig]),
                    scheduler_config=SchedulerConfig(**parts[SchedulerConfig]),

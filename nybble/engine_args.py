@@ -90,6 +90,11 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
                         metavar="N",
                         help="batch sizes to capture CUDA graphs for (default: 1 2 4 8 16 "
                              "24 ... up to --max-num-seqs, at most 512)")
+    parser.add_argument("--speculative-config", default=None, metavar="JSON",
+                        help='speculative decoding, vLLM\'s JSON keys: {"method": "ngram", '
+                             '"num_speculative_tokens": 3, "prompt_lookup_max": 4, '
+                             '"prompt_lookup_min": 1} or {"model": "<draft folder>", '
+                             '"num_speculative_tokens": 3} (default: off)')
     parser.add_argument("--disable-log-stats", action="store_true",
                         help="do not log the periodic stats line")
     add_threads_arg(parser)
@@ -111,5 +116,6 @@ def engine_config_from_args(args: argparse.Namespace,
         attention_backend=args.attention_backend, disable_log_stats=args.disable_log_stats,
         threads=args.threads, compilation_level=args.compilation_level,
         enforce_eager=args.enforce_eager,
+        speculative_config=getattr(args, "speculative_config", None),
         cuda_graph_sizes=None if args.cuda_graph_sizes is None else
         tuple(args.cuda_graph_sizes))

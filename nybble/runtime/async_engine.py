@@ -42,6 +42,7 @@ from nybble.runtime.messages import (
     EngineCoreRequest,
     EngineStats,
     RequestsFailed,
+    SpecDecodeStats,
     UtilityResult,
 )
 from nybble.runtime.output_processor import OutputProcessor
@@ -185,6 +186,7 @@ class AsyncEngine:
         self._dead: str | None = None          # why the engine is dead, once it is
         self._closing = False
         self._window = [time.monotonic(), 0, 0]   # start (s), prompt tokens, generation tokens
+        self._spec_seen: SpecDecodeStats | None = None   # counters at the last log line
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -447,4 +449,18 @@ class AsyncEngine:
                 "generation throughput: %.1f tokens/s, KV cache usage: %.1f%%, "
                 "preemptions: %d", s.num_running, s.num_waiting, self._window[1] / elapsed,
                 self._window[2] / elapsed, 100.0 * s.kv_cache_usage, s.num_preemptions)
+            if s.spec_decode is not None:
+                self._log_spec_decode(s.spec_decode)
         self._window = [record.now, 0, 0]
+
+    def _log_spec_decode(self, spec: SpecDecodeStats) -> None:
+        """The speculative decoding line: acceptance over the last interval."""
+        prev, self._spec_seen = self._spec_seen, spec
+        drafted = spec.num_draft_tokens - (prev.num_draft_tokens if prev else 0)
+        accepted = spec.num_accepted_tokens - (prev.num_accepted_tokens if prev else 0)
+        drafts = spec.num_drafts - (prev.num_drafts if prev else 0)
+        if drafts:
+            logger.info("speculative decoding: acceptance rate %.1f%%, mean acceptance "
+                        "length %.2f tokens, drafted %d tokens, accepted %d tokens",
+                        100.0 * accepted / max(drafted, 1), 1 + accepted / drafts, drafted,
+                        accepted)

@@ -20,6 +20,14 @@ MB = ceil(max_model_len / block_size))::
     sample_seq_ids  int64[S]      sequence id each sampled token belongs to
     copy_src        int32[C]      copy KV block copy_src[i] -> copy_dst[i] before the forward
     copy_dst        int32[C]
+    num_draft_tokens int32[S]     speculative decoding: draft tokens m of sample row r; its
+                                  m + 1 verified rows are sample_rows[r] - m .. sample_rows[r]
+                                  (the row's last token, then the drafts)
+    draft_prev_ids  int32[S]      where m > 0: the token before the row's last one, and its
+    draft_prev_slots int64[S]     KV slot (a draft model rewrites it; see model_runner)
+
+The last three are ``None`` unless the scheduler was built for speculative decoding
+(``num_lookahead_slots > 0``; never from the reference scheduler).
 """
 from __future__ import annotations
 
@@ -54,6 +62,9 @@ class ScheduledBatch:
     sample_seq_ids: np.ndarray
     copy_src: np.ndarray
     copy_dst: np.ndarray
+    num_draft_tokens: np.ndarray | None = None
+    draft_prev_ids: np.ndarray | None = None
+    draft_prev_slots: np.ndarray | None = None
 
     @property
     def num_sampled(self) -> int:

@@ -29,6 +29,7 @@ cdef class BatchBuilder:
     # sample_slots   int32[R]    slot each sample row's token goes to (-1: none)
     # sample_fork    int32[R]    i for sample row seq_id+i of a group (0: no fork)
     # sample_seq_ids int64[R]    seq_id of each sample row
+    # sample_num_draft int32[R]  speculative decoding: draft tokens of each sample row
     cdef readonly int32_t num_rows
     cdef readonly int32_t num_tokens
     cdef readonly int32_t num_sampled
@@ -38,12 +39,14 @@ cdef class BatchBuilder:
     cdef int32_t* sample_fork
     cdef int64_t[::1] seq_ids
     cdef int64_t[::1] sample_seq_ids
+    cdef int32_t[::1] sample_num_draft
 
     # ---- private ------------------------------------------------------------------------------
     # _block_size     int32     tokens per KV block
     # _max_q/_max_sl  int32     max query length / max seq length of the batch (tokens)
     # _row_table_len  int32[R]  valid block-table entries written to row r last time
     cdef int32_t _block_size
+    cdef bint _speculative                # rows may carry drafts (fill the spec arrays)
     cdef int32_t _max_q
     cdef int32_t _max_sl
     cdef int32_t* _row_table_len
@@ -51,7 +54,7 @@ cdef class BatchBuilder:
     # preallocated output buffers (numpy arrays and typed views of them)
     cdef object _np_input_ids, _np_positions, _np_slot_mapping, _np_block_tables, _np_seq_lens
     cdef object _np_qsl, _np_seq_ids, _np_sample_rows, _np_sample_seq_ids, _np_copy_src
-    cdef object _np_copy_dst
+    cdef object _np_copy_dst, _np_num_draft, _np_prev_ids, _np_prev_slots
     cdef int32_t[::1] _input_ids          # [max_batched] token ids
     cdef int64_t[::1] _positions          # [max_batched] positions (tokens)
     cdef int64_t[::1] _slot_mapping       # [max_batched] block_id * block_size + offset
@@ -61,6 +64,8 @@ cdef class BatchBuilder:
     cdef int32_t[::1] _sample_rows        # [max_num_seqs] flat token rows to sample
     cdef int32_t[::1] _copy_src           # [max_num_seqs] copy-on-write source blocks
     cdef int32_t[::1] _copy_dst           # [max_num_seqs] copy-on-write destination blocks
+    cdef int32_t[::1] _prev_ids           # [max_num_seqs] token before the last (spec rows)
+    cdef int64_t[::1] _prev_slots         # [max_num_seqs] its KV slot (spec rows)
 
     cdef inline void reset(self) noexcept nogil:
         """Start a step: no rows, no copies."""

@@ -26,11 +26,14 @@ cdef class BatchBuilder:
         max_num_batched_tokens: tokens T per step.
         max_blocks_per_seq: block-table width MB (blocks).
         block_size: tokens per KV block.
+        speculative: rows may carry draft tokens (fills ``num_draft_tokens`` and the draft
+            model's catch-up arrays; off: they are ``None`` and cost nothing).
     """
 
     def __init__(self, int max_num_seqs, int max_num_batched_tokens, int max_blocks_per_seq,
-                 int block_size):
+                 int block_size, bint speculative=False):
         self._block_size = block_size
+        self._speculative = speculative
         cdef size_t rows = max_num_seqs * sizeof(int32_t)
         self.row_slots = <int32_t*> grow_buffer(NULL, rows)
         self._row_table_len = <int32_t*> grow_buffer(NULL, rows)
@@ -49,6 +52,9 @@ cdef class BatchBuilder:
         self.sample_seq_ids = self._np_sample_seq_ids = np.zeros(R, np.int64)
         self._copy_src = self._np_copy_src = np.zeros(R, np.int32)
         self._copy_dst = self._np_copy_dst = np.zeros(R, np.int32)
+        self.sample_num_draft = self._np_num_draft = np.zeros(R, np.int32)
+        self._prev_ids = self._np_prev_ids = np.zeros(R, np.int32)
+        self._prev_slots = self._np_prev_slots = np.zeros(R, np.int64)
 
     def __dealloc__(self):
         PyMem_Free(self.row_slots)
@@ -87,8 +93,16 @@ cdef class BatchBuilder:
             self._row_table_len[b] = s.num_blocks
             self._max_q = max(self._max_q, n)
             self._max_sl = max(self._max_sl, start + n)
-            if start + n == s.num_tokens:
+            if start + n == s.num_tokens + s.num_spec:
+                # NOTE: a row with drafts decodes: it has one sample (groups fork at prefill)
+                if s.num_spec > 0:      # speculative decoding: the draft model's catch-up
+                    pos = start - 1
+                    self._prev_ids[self.num_sampled] = tokens[pos]
+                    self._prev_slots[self.num_sampled] = \
+                        <int64_t> table[pos // bs] * bs + pos % bs
                 for i in range(s.num_samples):
+                    if self._speculative:
+                        self.sample_num_draft[self.num_sampled] = s.num_spec
                     self._sample_rows[self.num_sampled] = t - 1
                     self.sample_seq_ids[self.num_sampled] = s.seq_id + i
                     self.sample_slots[self.num_sampled] = slot
@@ -106,4 +120,7 @@ cdef class BatchBuilder:
             seq_lens=self._np_seq_lens[:B], query_start_loc=self._np_qsl[:B + 1],
             seq_ids=self._np_seq_ids[:B], sample_rows=self._np_sample_rows[:S],
             sample_seq_ids=self._np_sample_seq_ids[:S], copy_src=self._np_copy_src[:C],
-            copy_dst=self._np_copy_dst[:C])
+            copy_dst=self._np_copy_dst[:C],
+            num_draft_tokens=self._np_num_draft[:S] if self._speculative else None,
+            draft_prev_ids=self._np_prev_ids[:S] if self._speculative else None,
+            draft_prev_slots=self._np_prev_slots[:S] if self._speculative else None)

@@ -6,7 +6,8 @@ Public C surface for the scheduler (vtable calls, no Python dispatch, GIL releas
 * ``allocate_slots`` (vLLM's name): blocks for a sequence's next tokens, copy-on-write of a
   shared partial block, all or nothing;
 * ``get_computed_blocks``: on admission, the longest chain of cached full blocks, referenced;
-* ``free_blocks`` / ``fork_blocks``: release or share a whole block table;
+* ``free_blocks`` / ``fork_blocks``: release or share a whole block table; ``free_tail``:
+  release its blocks past the first ``keep`` (rejected speculative tokens);
 * ``get_num_free_blocks``; the readonly fields below (also Python attributes).
 
 ``c_x`` is the C twin of the Python method ``x`` (tests use the Python face). Every field with
@@ -60,6 +61,7 @@ cdef class BlockAllocator:
     cdef int32_t c_copy_on_write(self, int32_t block_id) noexcept nogil
     cdef int32_t get_num_free_blocks(self) noexcept nogil
     cdef int free_blocks(self, int32_t* table, int32_t* num_blocks) noexcept nogil
+    cdef int free_tail(self, int32_t* table, int32_t* num_blocks, int32_t keep) noexcept nogil
     cdef int fork_blocks(self, const int32_t* src, int32_t* dst, int32_t num_blocks) noexcept nogil
     cdef int32_t get_computed_blocks(self, const int32_t* tokens, int32_t max_blocks,
                                      int32_t* table, int32_t* num_blocks,

@@ -158,8 +158,13 @@ cdef class BlockAllocator:
         """Free a block table, last block first (so a parked chain is evicted tail first);
         freed entries become -1 and ``num_blocks[0]`` drops to 0 (on an error it stops at the
         bad entry, named by ``err_block``)."""
+        return self.free_tail(table, num_blocks, 0)
+
+    cdef int free_tail(self, int32_t* table, int32_t* num_blocks, int32_t keep) noexcept nogil:
+        """Free the entries of a block table past its first ``keep``, last first (speculative
+        decoding: blocks only rejected drafts used); as :meth:`free_blocks` otherwise."""
         cdef int rc
-        while num_blocks[0] > 0:
+        while num_blocks[0] > keep:
             rc = self.c_free(table[num_blocks[0] - 1])
             if rc != ALLOC_OK:
                 return rc

@@ -8,6 +8,7 @@ strings ended through :meth:`EngineCore.stop_samples`.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -15,13 +16,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from nybble.config import EngineConfig, check_model_dir
+from nybble.config import EngineConfig, ModelConfig, check_model_dir
 from nybble.errors import EngineStepError
 from nybble.kernels import get_attention_backend
 from nybble.models.loader import LoadedModel, load_model
 from nybble.quant.report import summarize_report
 from nybble.runtime.batch import ScheduledBatch
 from nybble.runtime.beam_core import BeamCoordinator, add_results
+from nybble.runtime.draft_proposer import DraftProposer
 from nybble.runtime.kv_cache import is_quantized_kv, plan_kv_cache
 from nybble.runtime.messages import (
     EngineCoreOutputs,
@@ -29,6 +31,7 @@ from nybble.runtime.messages import (
     EngineStats,
     PromptLogprobs,
     RequestLimits,
+    SpecDecodeStats,
 )
 from nybble.runtime.model_runner import ModelRunner
 from nybble.runtime.scheduler import Scheduler
@@ -86,14 +89,25 @@ class EngineCore:
 
             # NOTE: before the runner: CUDA graphs capture the layers' kv_scale tensors
             calibrate_kv_scales(self.loaded, self.kv_spec.dtype, self.device)
-        self.runner = ModelRunner(self.loaded, self.kv_spec, self.device, config)
         self.grammars = GrammarCompiler(mc.tokenizer_folder, vocab, self.loaded.eos_token_ids)
-        sc = config.scheduler_config
         self.max_model_len = self.loaded.max_model_len
+        spec = config.speculative_config
+        proposer = None
+        if spec is not None and spec.model is not None:
+            proposer = DraftProposer(self._load_draft(backend), self.kv_spec, self.device)
+        self.runner = ModelRunner(self.loaded, self.kv_spec, self.device, config, proposer)
+        sc = config.scheduler_config
+        ngram = spec is not None and spec.method == "ngram"
         self.scheduler = Scheduler(self.kv_spec.num_blocks, self.kv_spec.block_size,
                                    sc.max_num_seqs, sc.max_num_batched_tokens,
                                    self.max_model_len, sc.enable_chunked_prefill,
-                                   enable_prefix_caching=config.cache_config.enable_prefix_caching)
+                                   enable_prefix_caching=config.cache_config.enable_prefix_caching,
+                                   num_lookahead_slots=0 if spec is None
+                                   else spec.num_speculative_tokens,
+                                   ngram_min=spec.lookup_min if ngram else 0,
+                                   ngram_max=spec.lookup_max if ngram else 0)
+        self.spec_stats = SpecDecodeStats.empty(0 if spec is None
+                                                else spec.num_speculative_tokens)
         self._requests: dict[str, _CoreRequest] = {}
         self._seqs: dict[int, tuple[str, int]] = {}  # seq id -> (request id, sample index)
         self._unscheduled: dict[int, str] = {}  # first seq id -> request not yet run
@@ -105,6 +119,31 @@ class EngineCore:
         self._pending: ScheduledBatch | None = None  # scheduled, not yet taken by update()
         self.beams = BeamCoordinator(self.scheduler, self.runner, self._take_seq_ids)
         self._log_start_up()
+
+    def _load_draft(self, backend) -> LoadedModel:
+        """Load the draft model of speculative decoding, checked against the target.
+
+        Raises:
+            UnsupportedModelError, ValueError: the draft folder cannot serve this target
+                (another tokenizer or vocabulary, a shorter context than ``max_model_len``).
+        """
+        spec, mc = self.config.speculative_config, self.config.model_config
+        assert spec is not None and spec.model is not None
+        spec.check_draft(mc.model, mc.tokenizer_folder)
+        draft_cfg = ModelConfig(model=spec.model, dtype=mc.dtype, device=mc.device,
+                                max_model_len=self.max_model_len)
+        try:
+            draft = load_model(draft_cfg, backend, self.device)
+        except ValueError as e:
+            raise ValueError(f"speculative_config.model must handle the target's "
+                             f"max_model_len ({self.max_model_len}): {e}") from e
+        if draft.dtype != self.loaded.dtype:
+            raise ValueError(f"the draft model's dtype must be the target's "
+                             f"({self.loaded.dtype}), got {draft.dtype}")
+        logger.info("speculative decoding: draft model %s (%d bytes of weights), "
+                    "%d tokens per step; its KV cache shares the target's block tables",
+                    spec.model, draft.weight_bytes, spec.num_speculative_tokens)
+        return draft
 
     def _log_start_up(self) -> None:
         mc, loaded, spec = self.config.model_config, self.loaded, self.kv_spec
@@ -144,7 +183,8 @@ class EngineCore:
             max_model_len=self.max_model_len, vocab_size=self.loaded.shape.vocab_size,
             max_num_seqs=self.config.scheduler_config.max_num_seqs,
             max_logprobs=self.config.model_config.max_logprobs,
-            num_kv_blocks=self.kv_spec.num_blocks, block_size=self.kv_spec.block_size)
+            num_kv_blocks=self.kv_spec.num_blocks, block_size=self.kv_spec.block_size,
+            speculative=self.config.speculative_config is not None)
 
     def _take_seq_ids(self, count: int) -> int:
         """Reserve ``count`` consecutive fresh sequence ids; returns the first."""
@@ -293,10 +333,21 @@ class EngineCore:
         outputs = EngineCoreOutputs(scheduled_time=time.monotonic())
         self._note_scheduled(batch.seq_ids, outputs)
         result = self.runner.execute(batch)
-        tokens, beam_rows = result.token_ids, None
-        if self.beams.requests:
-            tokens, beam_rows = self.beams.before_update(batch.sample_seq_ids, result)
-        seq_ids, tokens, finish = self.scheduler.update(batch, tokens)
+        beam_rows = None
+        if result.counts is None:
+            tokens = result.token_ids
+            if self.beams.requests:
+                tokens, beam_rows = self.beams.before_update(batch.sample_seq_ids, result)
+            seq_ids, tokens, finish = self.scheduler.update(batch, tokens)
+        else:   # a speculative step: one output row per emitted token (see update_spec)
+            seq_ids, tokens, finish, index = self.scheduler.update_spec(
+                batch, result.token_ids, result.counts)
+            self.spec_stats.add(batch.num_draft_tokens, result.counts)
+            result = dataclasses.replace(result, token_ids=tokens, counts=None, **{
+                name: None if a is None else a.reshape(-1, *a.shape[2:])[index]
+                for name, a in (("logprobs", result.logprobs),
+                                ("top_token_ids", result.top_token_ids),
+                                ("top_logprobs", result.top_logprobs))})
         self._pending = None
         if result.grammar_ended:
             self._end_grammars(result.grammar_ended, seq_ids, finish)
@@ -316,6 +367,9 @@ class EngineCore:
                                c.top_token_ids.tolist(), c.top_logprobs.tolist())
                 for c in result.prompt_logprobs]
         self._last_ids, self._last_lens = batch.seq_ids.copy(), batch.seq_lens.copy()
+        if result.counts is not None:   # rejected drafts hold no live KV
+            rows = np.searchsorted(batch.query_start_loc, batch.sample_rows + 1) - 1
+            np.subtract.at(self._last_lens, rows, batch.num_draft_tokens + 1 - result.counts)
         self._last_finished = []
         for sid in seq_ids.tolist():
             rid, index = self._seqs[sid]
@@ -366,4 +420,5 @@ class EngineCore:
                            num_cached_tokens_total=s.num_prefix_hit_tokens,
                            num_prefix_query_tokens_total=s.num_prefix_query_tokens,
                            prefix_cache_hit_rate=s.num_prefix_hit_tokens
-                           / max(s.num_prefix_query_tokens, 1))
+                           / max(s.num_prefix_query_tokens, 1),
+                           spec_decode=self.spec_stats.snapshot())

@@ -172,6 +172,7 @@ class InputProcessor:
         Raises:
             InvalidRequestError: naming the first parameter out of range.
         """
+        self._check_speculative(p)
         self._check_beam(p, names)   # NOTE: first: the beam width is the offline API's n
         if not _is_int(p.n) or p.n < 1:
             raise _fail("n", "an integer >= 1", p.n)
@@ -200,6 +201,19 @@ class InputProcessor:
             raise _fail("stop", "non-empty strings", p.stop)
         self.check_token_ids(p.stop_token_ids or [], "stop_token_ids", allow_empty=True)
         check_shaping(p, self.limits.vocab_size)
+
+    def _check_speculative(self, p: SamplingParams) -> None:
+        """With speculative decoding on, the parameters its verification does not apply
+        (beam search, logit shaping, structured output, prompt logprobs) are refused."""
+        if not self.limits.speculative:
+            return
+        for name, neutral in (("use_beam_search", False), *_BEAM_NEUTRAL):
+            value = getattr(p, name)
+            if name in ("best_of",):
+                continue
+            if value is not None and value != neutral and value not in ({}, []):
+                raise _fail(name, f"unset while speculative decoding is on (not supported "
+                            f"with --speculative-config), or {neutral!r}", value)
 
     def _check_beam(self, p: SamplingParams, names: ParamNames) -> None:
         """The beam-search parameters (see the module docstring)."""

@@ -22,7 +22,7 @@ torch (the API process imports it).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 
@@ -39,6 +39,7 @@ class RequestLimits(msgspec.Struct, frozen=True):
         max_num_seqs: most sequences in one step (caps ``n``).
         max_logprobs: largest ``logprobs`` a request may ask for.
         num_kv_blocks, block_size: the KV pool (blocks, tokens per block).
+        speculative: speculative decoding is on (some parameters are refused with it).
     """
 
     max_model_len: int
@@ -47,6 +48,52 @@ class RequestLimits(msgspec.Struct, frozen=True):
     max_logprobs: int
     num_kv_blocks: int
     block_size: int
+    speculative: bool = False
+
+
+@dataclass
+class SpecDecodeStats:
+    """Speculative decoding counters since start-up (vLLM's ``spec_decode_*`` metrics).
+
+    Attributes:
+        num_drafts: sequence-steps that carried drafts.
+        num_draft_tokens: tokens proposed (drafted).
+        num_accepted_tokens: drafts the target accepted.
+        accepted_per_pos: ``k`` counts: drafts accepted at position ``i`` of a proposal.
+    """
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    @classmethod
+    def empty(cls, k: int) -> SpecDecodeStats:
+        """Zero counters for proposals of up to ``k`` tokens."""
+        return cls(accepted_per_pos=[0] * k)
+
+    def add(self, num_draft, counts) -> None:
+        """Count one step: ``num_draft[r]`` drafts of sample row ``r``, ``counts[r] - 1`` of
+        them accepted (int arrays)."""
+        drafted = num_draft > 0
+        accepted = (counts - 1)[drafted]
+        self.num_drafts += int(drafted.sum())
+        self.num_draft_tokens += int(num_draft.sum())
+        self.num_accepted_tokens += int(accepted.sum())
+        for i in range(len(self.accepted_per_pos)):
+            self.accepted_per_pos[i] += int((accepted > i).sum())
+
+    def snapshot(self) -> SpecDecodeStats | None:
+        """A copy, or ``None`` when speculative decoding is off (no positions)."""
+        if not self.accepted_per_pos:
+            return None
+        return SpecDecodeStats(self.num_drafts, self.num_draft_tokens,
+                               self.num_accepted_tokens, list(self.accepted_per_pos))
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted over drafted tokens (0 before the first draft)."""
+        return self.num_accepted_tokens / max(self.num_draft_tokens, 1)
 
 
 @dataclass(frozen=True)
@@ -59,7 +106,8 @@ class EngineStats:
     ``1 - num_live_tokens / (used_blocks * block_size)``. With prefix caching,
     ``num_cached_tokens_total`` counts the tokens admitted sequences found in the cache (not
     computed) and ``prefix_cache_hit_rate`` is that over the tokens of the sequences admitted
-    (0 when caching is off or nothing was admitted).
+    (0 when caching is off or nothing was admitted). ``spec_decode``: the speculative
+    decoding counters, ``None`` when it is off.
     """
 
     num_running: int
@@ -75,6 +123,7 @@ class EngineStats:
     num_cached_tokens_total: int = 0
     num_prefix_query_tokens_total: int = 0
     prefix_cache_hit_rate: float = 0.0
+    spec_decode: SpecDecodeStats | None = None
 
 
 class EngineCoreRequest(msgspec.Struct, frozen=True):

@@ -26,11 +26,13 @@ from nybble.kernels.kv_quant import as_bytes
 from nybble.models.loader import LoadedModel
 from nybble.runtime.batch import ScheduledBatch
 from nybble.runtime.cuda_graphs import DecodeGraphs, capture_sizes
+from nybble.runtime.draft_proposer import DraftProposer, decode_rows_metadata
 from nybble.runtime.host_memory import retain_freed_memory
 from nybble.runtime.kv_cache import KVCacheSpec, allocate_kv_cache
 from nybble.runtime.logit_shaping import LogitShaping
 from nybble.runtime.messages import EngineCoreRequest
 from nybble.runtime.prompt_logprobs import PromptLogprobsChunk, PromptLogprobsTracker
+from nybble.runtime.rejection_sampler import rejection_sample
 from nybble.runtime.sampler import sample
 from nybble.runtime.sampling_table import SamplingTable
 from nybble.runtime.step_inputs import StepInputs
@@ -40,6 +42,10 @@ from nybble.runtime.structured_output import GrammarMatcher
 @dataclass(slots=True)
 class ModelRunnerOutput:
     """One step's sampled tokens, ``S`` rows in the order of ``batch.sample_rows``.
+
+    A speculative step (``counts`` set) emits ``counts[r]`` tokens for row ``r``: then
+    ``token_ids`` is ``int32[S, W]`` and the logprob arrays gain the same ``W`` axis after
+    ``S`` (see :class:`~nybble.runtime.rejection_sampler.VerifyOutput`).
 
     Attributes:
         token_ids: ``int32[S]`` sampled ids.
@@ -59,6 +65,7 @@ class ModelRunnerOutput:
     top_logprobs: np.ndarray | None
     grammar_ended: list[int] = field(default_factory=list)
     prompt_logprobs: list[PromptLogprobsChunk] | None = None
+    counts: np.ndarray | None = None
 
     def select(self, keep: np.ndarray) -> ModelRunnerOutput:
         """The rows where ``keep`` (``bool[S]``) is true (the per-sequence fields are
@@ -81,11 +88,12 @@ class ModelRunner:
         loaded: the loaded model.
         spec: the KV pool to allocate.
         device: where the model and cache live.
-        config: the engine configuration (seed, step limits).
+        config: the engine configuration (seed, step limits, speculative decoding).
+        proposer: the draft model of speculative decoding (``None``: none, or n-gram).
     """
 
     def __init__(self, loaded: LoadedModel, spec: KVCacheSpec, device: torch.device,
-                 config: EngineConfig) -> None:
+                 config: EngineConfig, proposer: DraftProposer | None = None) -> None:
         self.model = loaded.model
         self.spec = spec
         self.device = device
@@ -96,6 +104,8 @@ class ModelRunner:
         self.sampling = SamplingTable(loaded.shape.vocab_size, device)
         self.shaping = LogitShaping(loaded.shape.vocab_size, device)
         self.prompt_logprobs = PromptLogprobsTracker()
+        self.speculative = config.speculative_config is not None
+        self.proposer = proposer
         sc, cc = config.scheduler_config, config.compilation_config
         self.inputs = StepInputs(device, sc.max_num_batched_tokens, sc.max_num_seqs,
                                  -(-loaded.max_model_len // spec.block_size))
@@ -135,6 +145,8 @@ class ModelRunner:
         self.sampling.remove(seq_ids)
         self.shaping.remove(seq_ids)
         self.prompt_logprobs.remove(seq_ids)
+        if self.proposer is not None:
+            self.proposer.forget(seq_ids)
 
     def _copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
         """Copy-on-write: duplicate KV blocks ``src[i] -> dst[i]`` in every layer."""
@@ -143,6 +155,8 @@ class ModelRunner:
         for cache in self.kv_caches:
             cache = as_bytes(cache)  # NOTE: CPU indexing does not take float8
             cache[:, dst_t] = cache[:, src_t]
+        if self.proposer is not None:
+            self.proposer.copy_blocks(src_t, dst_t)
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor,
                                                       AttentionMetadata]:
@@ -178,11 +192,22 @@ class ModelRunner:
         """
         if len(batch.copy_src):
             self._copy_blocks(batch.copy_src, batch.copy_dst)
+        if self.proposer is not None:
+            self.proposer.propose(batch)
         if self.graphs is not None and self.graphs.can_run(batch):
             hidden = self.graphs.run(batch)
         else:
             input_ids, positions, meta = self.prepare(batch)
+            if self.speculative and batch.max_query_len > 1 and \
+                    batch.num_tokens == batch.num_seqs + int(batch.num_draft_tokens.sum()):
+                # NOTE: decode rows and their drafts only: verify them with the decode kernel
+                meta = decode_rows_metadata(
+                    batch.slot_mapping, batch.positions, batch.block_tables,
+                    np.repeat(np.arange(batch.num_seqs), np.diff(batch.query_start_loc)),
+                    self.device)
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if self.speculative:    # NOTE: every step, so a seeded sample's noise is per position
+            return self._verify(hidden, batch)
         prompt_logprobs = self.prompt_logprobs.compute(hidden, batch,
                                                        self.model.compute_logits)
         logits = self.model.compute_logits(self._sampled_hidden(hidden, batch))
@@ -196,3 +221,23 @@ class ModelRunner:
             token_ids=token_ids, logprobs=_host(out.logprobs), top_token_ids=_host(out.top_ids),
             top_logprobs=_host(out.top_logprobs), grammar_ended=ended,
             prompt_logprobs=prompt_logprobs)
+
+    def _verify(self, hidden: torch.Tensor, batch: ScheduledBatch) -> ModelRunnerOutput:
+        """Speculative step: the logits of each sample row's last token and drafts (``m + 1``
+        rows), judged by the rejection-sampling rule."""
+        m = batch.num_draft_tokens.astype(np.int64)
+        width = m + 1
+        offsets = np.repeat(np.cumsum(width) - width, width)
+        rows = np.repeat(batch.sample_rows - m, width) + np.arange(int(width.sum())) - offsets
+        # the draft a logits row judges is the next row's input (bonus rows: clamped, unused)
+        drafts = batch.input_ids[np.minimum(rows + 1, batch.num_tokens - 1)]
+        logits = self.model.compute_logits(
+            hidden.index_select(0, torch.from_numpy(rows).to(self.device)))
+        out = rejection_sample(logits, torch.from_numpy(drafts.astype(np.int64)).to(self.device),
+                               batch.num_draft_tokens, batch.positions[rows] + 1,
+                               self.sampling.batch(batch.sample_seq_ids), self.generator)
+        if self.proposer is not None:
+            self.proposer.note_verified(batch.sample_seq_ids, batch.num_draft_tokens, out.counts)
+        return ModelRunnerOutput(token_ids=out.token_ids, logprobs=out.logprobs,
+                                 top_token_ids=out.top_token_ids,
+                                 top_logprobs=out.top_logprobs, counts=out.counts)

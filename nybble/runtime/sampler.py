@@ -76,7 +76,7 @@ class SamplerOutput:
     top_logprobs: torch.Tensor | None
 
 
-def _filter(logits: torch.Tensor, params: SamplingBatch) -> torch.Tensor:
+def filter_logits(logits: torch.Tensor, params: SamplingBatch) -> torch.Tensor:
     """Scale by temperature and mask out tokens removed by top-k, top-p and min-p (``params``
     holds the rows of ``logits`` only)."""
     logits = logits / params.temperature.clamp(min=1e-6)[:, None]
@@ -126,7 +126,7 @@ def sample(logits: torch.Tensor, params: SamplingBatch,
                             params.top_k[random_rows], params.min_p[random_rows],
                             [params.generators[r] for r in rows], -1, random_rows,
                             False, params.use_top_k_top_p, params.use_min_p)
-        probs = _filter(logits[random_rows], sub).softmax(dim=-1)
+        probs = filter_logits(logits[random_rows], sub).softmax(dim=-1)
         noise = torch.empty_like(probs)
         unseeded = [i for i, g in enumerate(sub.generators) if g is None]
         if unseeded:

@@ -32,6 +32,12 @@ cdef class Scheduler:
     cdef readonly int32_t max_model_len
     cdef readonly bint enable_chunked_prefill
     cdef readonly PrefixCache prefix_cache
+    # num_lookahead_slots      int32        speculative decoding: draft tokens k a decoding
+    #                                       sequence may be given per step (0: off); vLLM's name
+    # ngram_min / ngram_max    int32        n-gram proposals made here when ngram_max > 0
+    cdef readonly int32_t num_lookahead_slots
+    cdef readonly int32_t ngram_min
+    cdef readonly int32_t ngram_max
 
     # ---- counters since construction (readonly Python attributes) -----------------------------
     # num_preemptions          int64        preemptions
@@ -55,3 +61,4 @@ cdef class Scheduler:
     cdef int _allocate(self, int32_t slot, int32_t num_new) noexcept nogil
     cdef int _schedule_running(self, int32_t* budget) noexcept nogil
     cdef int _schedule_waiting(self, int32_t* budget) noexcept nogil
+    cdef int32_t _num_spec(self, int32_t slot, int32_t budget) noexcept nogil

@@ -27,6 +27,17 @@ need are drawn in ``BlockAllocator.allocate_slots``. After the step, ``update`` 
 share the prompt's blocks), registers newly full blocks in the prefix cache, and finishes and
 frees sequences in the same step.
 
+Speculative decoding (``num_lookahead_slots`` k > 0): a running sequence that decodes (one
+token to compute) is scheduled ``1 + m`` tokens, ``m <= k`` draft tokens after its last one
+(vLLM's lookahead slots), so the target verifies them in the same varlen forward. ``m`` is cut
+so that accepting every draft plus the bonus token stays within ``max_tokens`` and
+``max_model_len``, and within the step's budget; with n-gram proposals (made here, from the
+sequence's own tokens, see ngram.pxd) it is the proposal's length, and 0 (a plain decode row)
+when nothing matches. The drafts sit in the sequence's token region as scratch after its last
+token (the batch builder copies them into ``input_ids``; a draft model's runner overwrites
+them). :meth:`Scheduler.update_spec` then appends the 1..m+1 tokens the verification emitted
+and frees the blocks that only rejected drafts used.
+
 A request whose ``min(prompt + max_tokens, max_model_len)`` tokens need more blocks than the
 pool holds is rejected in :meth:`Scheduler.add` (KVCacheExhaustedError), so the oldest running
 sequence always fits alone and the scheduler never deadlocks. Contract: every non-empty batch
@@ -42,7 +53,9 @@ from nybble.runtime.batch import ScheduledBatch
 from nybble.runtime.scheduler_input import check_add, check_sizes
 
 from nybble.runtime.block_allocator cimport ALLOC_NO_SPACE, raise_alloc_error
-from nybble.runtime.sequence cimport FinishReason, SeqState, SeqStore, cdiv, seq_table
+from nybble.runtime.ngram cimport ngram_propose
+from nybble.runtime.sequence cimport (FinishReason, SeqState, SeqStore, cdiv, seq_table,
+                                      seq_tokens)
 
 
 cdef enum StepStatus:
@@ -65,16 +78,27 @@ cdef class Scheduler:
         enable_chunked_prefill: split prompts across steps to fill the budget.
         enable_prefix_caching: reuse cached full blocks of earlier sequences on admission
             (automatic prefix caching, see prefix_cache.pyx).
+        num_lookahead_slots: speculative decoding: draft tokens k per decoding sequence and
+            step (0: off).
+        ngram_min, ngram_max: propose the drafts by n-gram lookup of ``ngram_min ..
+            ngram_max`` tokens (0: the runner's draft model fills them).
 
     Raises:
-        ValueError: a size is below 1.
+        ValueError: a size is below 1, or bad lookahead / n-gram sizes.
     """
 
     def __init__(self, int num_blocks, int block_size, int max_num_seqs,
                  int max_num_batched_tokens, int max_model_len,
-                 bint enable_chunked_prefill=True, bint enable_prefix_caching=False):
+                 bint enable_chunked_prefill=True, bint enable_prefix_caching=False,
+                 int num_lookahead_slots=0, int ngram_min=0, int ngram_max=0):
         check_sizes(num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
                     max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens)
+        if num_lookahead_slots < 0 or (ngram_max > 0 and not 1 <= ngram_min <= ngram_max):
+            raise ValueError(f"num_lookahead_slots must be >= 0 and, with n-gram proposals, "
+                             f"1 <= ngram_min <= ngram_max, got {num_lookahead_slots}, "
+                             f"{ngram_min}, {ngram_max}")
+        self.num_lookahead_slots = num_lookahead_slots
+        self.ngram_min, self.ngram_max = ngram_min, ngram_max
         self.num_blocks, self.block_size = num_blocks, block_size
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.max_model_len, self.enable_chunked_prefill = max_model_len, enable_chunked_prefill
@@ -83,7 +107,7 @@ cdef class Scheduler:
         cdef int32_t max_blocks_per_seq = cdiv(max_model_len, block_size)
         self._seqs = SequenceTable(self._allocator, max_model_len, max_blocks_per_seq)
         self._batch = BatchBuilder(max_num_seqs, max_num_batched_tokens, max_blocks_per_seq,
-                                   block_size)
+                                   block_size, num_lookahead_slots > 0)
 
     # ---- C core (GIL released; errors are negative AllocStatus codes) -------------------------
 
@@ -101,16 +125,35 @@ cdef class Scheduler:
             self._batch.add_copy(src, dst)
         return rc
 
+    cdef int32_t _num_spec(self, int32_t slot, int32_t budget) noexcept nogil:
+        """Draft tokens for running ``slot`` this step (0 unless it decodes): at most k, and
+        at most what ``max_tokens``, ``max_model_len`` and ``budget`` leave after its last
+        token; with n-gram proposals, the proposal's length (written as scratch after it)."""
+        cdef SeqState* s = &self._seqs.st.seqs[slot]
+        if s.num_tokens - s.num_computed != 1:
+            return 0
+        cdef int32_t m = min(self.num_lookahead_slots, budget - 1)
+        m = min(m, s.max_tokens - (s.num_tokens - s.num_prompt_tokens) - 1)
+        m = min(m, self.max_model_len - s.num_tokens)
+        if m <= 0:
+            return 0
+        if self.ngram_max > 0:
+            m = ngram_propose(seq_tokens(&self._seqs.st, s), s.num_tokens, self.ngram_min,
+                              self.ngram_max, m, seq_tokens(&self._seqs.st, s) + s.num_tokens)
+        return m
+
     cdef int _schedule_running(self, int32_t* budget) noexcept nogil:
         """Step 1: running sequences, oldest first. Returns preemptions (>= 0) or an error."""
         cdef SeqStore* st = &self._seqs.st
-        cdef int32_t i = 0, slot, victim, n, preempted = 0
+        cdef int32_t i = 0, slot, victim, n, spec = 0, preempted = 0
         cdef int rc
         cdef SeqState* s
         while i < self._seqs.num_running and budget[0] > 0:
             slot = st.running[i]
             s = &st.seqs[slot]
-            n = min(s.num_tokens - s.num_computed, budget[0])
+            if self.num_lookahead_slots > 0:
+                spec = self._num_spec(slot, budget[0])
+            n = min(s.num_tokens - s.num_computed + spec, budget[0])
             victim = -1
             rc = self._allocate(slot, n)
             while rc == NO_SPACE:       # preempt the newest until it fits (or was the newest)
@@ -124,7 +167,7 @@ cdef class Scheduler:
                 return rc
             if victim == slot:      # preempted itself: everything after it is gone too
                 break
-            s.num_scheduled = n
+            s.num_scheduled, s.num_spec = n, spec
             self._batch.add_row(slot)
             budget[0] -= n
             i += 1
@@ -164,7 +207,7 @@ cdef class Scheduler:
             if caching:
                 self.num_prefix_hit_tokens += hit
                 self.num_prefix_query_tokens += s.num_tokens
-            s.num_scheduled = n
+            s.num_scheduled, s.num_spec = n, 0
             self._seqs.admit(slot)
             self._batch.add_row(slot)
             budget[0] -= n
@@ -249,7 +292,8 @@ cdef class Scheduler:
             was in flight.
 
         Raises:
-            ValueError: ``batch`` is not the pending batch, or ``sampled`` has the wrong shape.
+            ValueError: ``batch`` is not the pending batch, ``sampled`` has the wrong shape,
+                or the batch holds draft tokens (those go to :meth:`update_spec`).
             RuntimeError: the block bookkeeping is corrupt (a bug).
         """
         self._check_pending(batch)
@@ -257,10 +301,56 @@ cdef class Scheduler:
         cdef int32_t S = self._batch.num_sampled
         if arr.ndim != 1 or arr.shape[0] != S:
             raise ValueError(f"`sampled` must have shape ({S},), got {arr.shape}")
+        if self.num_lookahead_slots > 0 and batch.num_draft_tokens.any():
+            raise ValueError("a batch with draft tokens must be passed to update_spec(), "
+                             "got update()")
         self._inflight = None
         ids, tokens, finish = np.empty(S, np.int64), np.empty(S, np.int32), np.empty(S, np.int8)
         self._seqs.apply_step(self._batch, arr, ids, tokens, finish)
         return ids, tokens, finish
+
+    def update_spec(self, batch, sampled, counts):
+        """:meth:`update` for a speculative step: sample row ``r`` emitted ``counts[r]``
+        tokens ``sampled[r, :counts[r]]`` (1..m+1 for a row with m = ``num_draft_tokens[r]``
+        drafts: the accepted drafts, then the target's token); each is appended in order
+        until one finishes the sequence, ``num_computed`` advances by ``counts[r]`` and the
+        blocks only rejected drafts used are freed.
+
+        Args:
+            batch: the ScheduledBatch returned by the last ``schedule()``.
+            sampled: int32[S, W] token ids (W >= 1 + the largest m).
+            counts: int32[S] tokens emitted per sample row.
+
+        Returns:
+            (seq_ids int64[N], tokens int32[N], finish int8[N], index int32[N]): one row per
+            appended token, a sequence's rows in order, a finish code only on its last;
+            ``index`` is the token's flat position ``r * W + j`` in ``sampled``.
+
+        Raises:
+            ValueError: ``batch`` is not the pending batch, or bad shapes or counts.
+            RuntimeError: the block bookkeeping is corrupt (a bug).
+        """
+        self._check_pending(batch)
+        arr = np.ascontiguousarray(sampled, dtype=np.int32)
+        num = np.ascontiguousarray(counts, dtype=np.int32)
+        cdef int32_t S = self._batch.num_sampled
+        drafts = batch.num_draft_tokens
+        if drafts is None:
+            raise ValueError("update_spec() needs a scheduler built with num_lookahead_slots "
+                             "> 0, got a batch without draft counts")
+        if arr.ndim != 2 or arr.shape[0] != S or num.shape != (S,):
+            raise ValueError(f"`sampled` must have shape ({S}, W) and `counts` ({S},), got "
+                             f"{arr.shape} and {num.shape}")
+        if S and (num.min() < 1 or (num > drafts + 1).any() or num.max() > arr.shape[1]):
+            raise ValueError("`counts` must be in [1, num_draft_tokens + 1] and <= W, got "
+                             f"{num.tolist()} for drafts {drafts.tolist()}")
+        self._inflight = None
+        total = int(num.sum())
+        ids, tokens = np.empty(total, np.int64), np.empty(total, np.int32)
+        finish, index = np.empty(total, np.int8), np.empty(total, np.int32)
+        cdef int n = self._seqs.apply_spec_step(self._batch, arr, num, ids, tokens, finish,
+                                                index)
+        return ids[:n], tokens[:n], finish[:n], index[:n]
 
     def _check_pending(self, batch) -> None:
         if self._inflight is None or batch is not self._inflight:

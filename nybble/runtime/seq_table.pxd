@@ -9,7 +9,8 @@ Public C surface for the Scheduler (every field with a leading underscore is pri
   ``st.running[0:num_running]`` (admission order, oldest first), with ``running_weight``;
 * the state changes of a sequence: ``add`` (new, back of waiting), ``take_cached_prefix`` and
   ``admit`` / ``pop_waiting`` (admission), ``preempt_last``, ``apply_step`` (a step's results:
-  advance, fork, append, finish), ``finish``, ``fork`` (beam search), ``free_blocks``.
+  advance, fork, append, finish; ``apply_spec_step`` for a speculative one), ``finish``,
+  ``fork`` (beam search), ``free_blocks``.
 """
 from libc.stdint cimport int8_t, int32_t, int64_t
 
@@ -44,6 +45,10 @@ cdef class SequenceTable:
     cdef int apply_step(self, BatchBuilder batch, const int32_t[::1] sampled,
                         int64_t[::1] out_ids, int32_t[::1] out_tokens,
                         int8_t[::1] out_finish) except -1
+    cdef int apply_spec_step(self, BatchBuilder batch, const int32_t[:, ::1] sampled,
+                             const int32_t[::1] counts, int64_t[::1] out_ids,
+                             int32_t[::1] out_tokens, int8_t[::1] out_finish,
+                             int32_t[::1] out_index) except -1
     cdef bint finish(self, int64_t seq_id) except -1
     cdef int fork(self, int64_t seq_id, int64_t new_seq_id, int32_t last_token,
                   int32_t max_weight) except -1
@@ -59,3 +64,7 @@ cdef class SequenceTable:
     cdef int _advance_and_append(self, BatchBuilder batch, const int32_t[::1] sampled,
                                  int64_t[::1] out_ids, int32_t[::1] out_tokens,
                                  int8_t[::1] out_finish) noexcept nogil
+    cdef int _advance_and_append_spec(self, BatchBuilder batch, const int32_t[:, ::1] sampled,
+                                      const int32_t[::1] counts, int64_t[::1] out_ids,
+                                      int32_t[::1] out_tokens, int8_t[::1] out_finish,
+                                      int32_t[::1] out_index) noexcept nogil

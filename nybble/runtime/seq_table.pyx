@@ -23,7 +23,7 @@ import numpy as np
 
 from nybble.runtime.block_allocator cimport raise_alloc_error
 from nybble.runtime.sequence cimport (FinishReason, SEQ_RUNNING, SEQ_WAITING, SeqState,
-                                      SeqStore, append_token, seq_table, seq_tokens,
+                                      SeqStore, append_token, cdiv, seq_table, seq_tokens,
                                       store_clone, store_dealloc, store_grow, store_new_slot,
                                       store_release)
 
@@ -95,6 +95,32 @@ cdef class SequenceTable:
             if out_finish[r] == FinishReason.STOPPED or out_finish[r] == FinishReason.LENGTH:
                 del self._slot_of[out_ids[r]]
         return 0
+
+    cdef int apply_spec_step(self, BatchBuilder batch, const int32_t[:, ::1] sampled,
+                             const int32_t[::1] counts, int64_t[::1] out_ids,
+                             int32_t[::1] out_tokens, int8_t[::1] out_finish,
+                             int32_t[::1] out_index) except -1:
+        """:meth:`apply_step` of a speculative step: sample row r emitted ``counts[r]`` tokens
+        ``sampled[r, :counts[r]]`` (its accepted drafts, then the target's token); they are
+        appended in order until one finishes the sequence. Writes one output row per appended
+        token (``out_index``: its flat index ``r * W + j`` in ``sampled``). Returns the number
+        of output rows.
+
+        Raises:
+            RuntimeError: the block bookkeeping is corrupt (a bug).
+        """
+        self._fork_groups(batch)
+        cdef int rc
+        cdef int32_t r
+        with nogil:
+            rc = self._advance_and_append_spec(batch, sampled, counts, out_ids, out_tokens,
+                                               out_finish, out_index)
+        if rc < 0:
+            raise_alloc_error(rc, self._allocator.err_block)
+        for r in range(rc):
+            if out_finish[r] == FinishReason.STOPPED or out_finish[r] == FinishReason.LENGTH:
+                del self._slot_of[out_ids[r]]
+        return rc
 
     cdef int _fork_groups(self, BatchBuilder batch) except -1:
         """Create the siblings of every group whose prompt completes in the in-flight batch:
@@ -229,7 +255,7 @@ cdef class SequenceTable:
         cdef int rc = self.free_blocks(slot)
         if rc != 0:
             return rc
-        s.num_computed, s.num_scheduled, s.status = 0, 0, SEQ_WAITING
+        s.num_computed, s.num_scheduled, s.num_spec, s.status = 0, 0, 0, SEQ_WAITING
         memmove(self.st.waiting + 1, self.st.waiting, self.num_waiting * sizeof(int32_t))
         self.st.waiting[0] = slot
         self.num_waiting += 1
@@ -289,6 +315,77 @@ cdef class SequenceTable:
                     r += 1
             self.num_running = r
         return finished
+
+    cdef int _advance_and_append_spec(self, BatchBuilder batch, const int32_t[:, ::1] sampled,
+                                      const int32_t[::1] counts, int64_t[::1] out_ids,
+                                      int32_t[::1] out_tokens, int8_t[::1] out_finish,
+                                      int32_t[::1] out_index) noexcept nogil:
+        """:meth:`_advance_and_append` for a speculative step. A row with m drafts computed
+        its last token and the m drafts; of those, the last token and the a accepted drafts
+        (``counts[r] = a + 1`` emitted) hold valid KV, so ``num_computed`` advances by
+        ``counts[r]``, and blocks past those covering its tokens (only rejected drafts used
+        them) are freed. Returns the output rows written or an error code."""
+        cdef int32_t b, r, j, slot, n_out = 0, W = sampled.shape[1]
+        cdef int32_t bs = self._allocator.block_size
+        cdef FinishReason fin = FinishReason.NONE
+        cdef int rc
+        cdef bint any_finished = False
+        cdef SeqState* s
+        cdef SeqStore* st = &self.st
+        cdef bint caching = self._allocator.enable_prefix_caching
+        for b in range(batch.num_rows):
+            s = &st.seqs[batch.row_slots[b]]
+            if s.status == SEQ_RUNNING and s.seq_id == batch.seq_ids[b] and s.num_spec == 0:
+                s.num_computed += s.num_scheduled
+                s.num_scheduled = 0
+                if caching:
+                    self._allocator.prefix_cache.cache_full_blocks(
+                        seq_table(st, batch.row_slots[b]), seq_tokens(st, s), s.num_computed,
+                        &s.num_hashed, &s.last_hash)
+        for r in range(batch.num_sampled):
+            slot = batch.sample_slots[r]
+            if (slot < 0 or st.seqs[slot].status != SEQ_RUNNING
+                    or st.seqs[slot].seq_id != batch.sample_seq_ids[r]):
+                out_ids[n_out], out_tokens[n_out] = batch.sample_seq_ids[r], sampled[r, 0]
+                out_finish[n_out], out_index[n_out] = FinishReason.ABORTED, r * W
+                n_out += 1
+                continue
+            s = &st.seqs[slot]
+            for j in range(counts[r]):
+                fin = append_token(st, s, sampled[r, j], self._max_model_len)
+                out_ids[n_out], out_tokens[n_out] = batch.sample_seq_ids[r], sampled[r, j]
+                out_finish[n_out], out_index[n_out] = fin, r * W + j
+                n_out += 1
+                if fin != FinishReason.NONE:
+                    break
+            if fin != FinishReason.NONE:
+                rc = self.free_blocks(slot)
+                if rc != 0:
+                    return rc
+                self.running_weight -= s.num_samples
+                store_release(st, slot)
+                any_finished = True
+                fin = FinishReason.NONE
+                continue
+            if s.num_spec > 0:
+                s.num_computed += counts[r]
+                s.num_scheduled = s.num_spec = 0
+                if caching:
+                    self._allocator.prefix_cache.cache_full_blocks(
+                        seq_table(st, slot), seq_tokens(st, s), s.num_computed,
+                        &s.num_hashed, &s.last_hash)
+                rc = self._allocator.free_tail(seq_table(st, slot), &s.num_blocks,
+                                               cdiv(s.num_tokens, bs))
+                if rc != 0:
+                    return rc
+        if any_finished:    # drop the finished from the running queue, order kept
+            r = 0
+            for b in range(self.num_running):
+                if st.seqs[st.running[b]].status == SEQ_RUNNING:
+                    st.running[r] = st.running[b]
+                    r += 1
+            self.num_running = r
+        return n_out
 
     # ---- Python face (tests, debugging) ------------------------------------------------------
 

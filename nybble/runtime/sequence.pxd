@@ -42,6 +42,8 @@ ctypedef struct SeqState:
     # num_tokens         int32   prompt + generated (tokens)
     # num_computed       int32   tokens whose KV is written (advanced by update())
     # num_scheduled      int32   tokens scheduled in the in-flight batch (0 otherwise)
+    # num_spec           int32   speculative decoding: draft tokens among them, kept as scratch
+    #                            at token ids [num_tokens, num_tokens + num_spec) (0 otherwise)
     # max_tokens         int32   generation budget (tokens)
     # cap_tokens         int32   token capacity of the region: max(min(P+max_tokens, L), P+1)
     # num_samples        int32   > 1 only for a group parent that has not forked yet
@@ -58,6 +60,7 @@ ctypedef struct SeqState:
     int32_t num_tokens
     int32_t num_computed
     int32_t num_scheduled
+    int32_t num_spec
     int32_t max_tokens
     int32_t cap_tokens
     int32_t num_samples
@@ -193,7 +196,7 @@ cdef inline int32_t store_new_slot(SeqStore* st, int64_t seq_id, int64_t num_sto
     cdef SeqState* s = &st.seqs[slot]
     s.seq_id, s.status, s.region_off = seq_id, SEQ_WAITING, off
     s.num_stop, s.cap_tokens = <int32_t> num_stop, <int32_t> cap_tokens
-    s.num_tokens = s.num_computed = s.num_scheduled = s.num_blocks = 0
+    s.num_tokens = s.num_computed = s.num_scheduled = s.num_blocks = s.num_spec = 0
     s.num_prompt_tokens = s.max_tokens = s.num_hashed = 0
     s.num_samples, s.last_hash, s.skip_cache = 1, 0, 0
     return slot

@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from nybble.outputs import RequestOutput
 from nybble.runtime.async_engine import StepRecord
+from nybble.runtime.messages import SpecDecodeStats
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py)
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -77,6 +78,7 @@ class ServerMetrics:
             "nybble:prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed).",
             lab, registry=reg).labels(model_name)
         self._preemptions_seen = self._queries_seen = self._hits_seen = 0
+        self._spec: _SpecDecodeMetrics | None = None
 
     def observe(self, record: StepRecord) -> None:
         """Update every metric from one engine step (called on the engine thread)."""
@@ -105,6 +107,10 @@ class ServerMetrics:
             self._preemptions_seen = stats.num_preemptions
             self._queries_seen = stats.num_prefix_query_tokens_total
             self._hits_seen = stats.num_cached_tokens_total
+            if stats.spec_decode is not None:
+                if self._spec is None:
+                    self._spec = _SpecDecodeMetrics(self.registry, self.model_name)
+                self._spec.update(stats.spec_decode)
 
     def _observe_finished(self, out: RequestOutput, now: float) -> None:
         reason = next((o.finish_reason for o in out.outputs if o.finish_reason), "stop")
@@ -117,6 +123,41 @@ class ServerMetrics:
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
         return generate_latest(self.registry)
+
+
+class _SpecDecodeMetrics:
+    """vLLM's speculative decoding counters (registered when the engine reports them):
+    sequence-steps with drafts, drafted and accepted tokens, accepted tokens per position
+    (label ``position``, 0-based)."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        lab = ["model_name"]
+        self.drafts = Counter("nybble:spec_decode_num_drafts",
+                              "Speculative decoding: sequence-steps that carried drafts.",
+                              lab, registry=registry).labels(model_name)
+        self.draft_tokens = Counter("nybble:spec_decode_num_draft_tokens",
+                                    "Speculative decoding: drafted tokens.",
+                                    lab, registry=registry).labels(model_name)
+        self.accepted = Counter("nybble:spec_decode_num_accepted_tokens",
+                                "Speculative decoding: accepted draft tokens.",
+                                lab, registry=registry).labels(model_name)
+        per_pos = Counter("nybble:spec_decode_num_accepted_tokens_per_pos",
+                          "Speculative decoding: accepted draft tokens at each position.",
+                          ["model_name", "position"], registry=registry)
+        self.per_pos = per_pos
+        self.model_name = model_name
+        self._seen = SpecDecodeStats()
+
+    def update(self, stats: SpecDecodeStats) -> None:
+        """Add what the cumulative ``stats`` gained since the last call."""
+        seen = self._seen
+        self.drafts.inc(stats.num_drafts - seen.num_drafts)
+        self.draft_tokens.inc(stats.num_draft_tokens - seen.num_draft_tokens)
+        self.accepted.inc(stats.num_accepted_tokens - seen.num_accepted_tokens)
+        for pos, count in enumerate(stats.accepted_per_pos):
+            before = seen.accepted_per_pos[pos] if pos < len(seen.accepted_per_pos) else 0
+            self.per_pos.labels(self.model_name, str(pos)).inc(count - before)
+        self._seen = stats
 
 
 def _elapsed(out: RequestOutput, attr: str, now: float) -> float:

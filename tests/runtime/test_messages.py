@@ -19,6 +19,7 @@ from nybble.runtime.messages import (
     RequestLimits,
     RequestsFailed,
     Shutdown,
+    SpecDecodeStats,
     ToCore,
     UtilityCall,
     UtilityResult,
@@ -31,7 +32,8 @@ STATS = EngineStats(num_running=3, num_waiting=1, num_free_blocks=90, num_blocks
                     kv_cache_usage=0.1, num_preemptions=2, peak_num_seqs_in_step=4,
                     num_steps=17, num_live_tokens=123, block_size=16,
                     num_cached_tokens_total=32, num_prefix_query_tokens_total=64,
-                    prefix_cache_hit_rate=0.5)
+                    prefix_cache_hit_rate=0.5,
+                    spec_decode=SpecDecodeStats(4, 12, 7, [4, 2, 1]))
 
 
 def _request(rid: str, seed: int | None) -> EngineCoreRequest:
@@ -99,6 +101,9 @@ def test_engine_config_crosses_as_json() -> None:
                                       enable_prefix_caching=True, dtype="bfloat16", threads=2,
                                       max_logprobs=5, served_model_name="x")
     assert decode_config(encode_config(config)) == config
+    spec = EngineConfig.from_kwargs(speculative_config={"method": "ngram",
+                                                        "num_speculative_tokens": 2})
+    assert decode_config(encode_config(spec)) == spec
     bad = encode_config(config).replace('"max_num_seqs":7', '"max_num_seqs":0')
     with pytest.raises(msgspec.ValidationError, match="max_num_seqs must be >= 1"):
         decode_config(bad)

@@ -9,7 +9,7 @@ import torch
 from nybble import SamplingParams
 from nybble.config import DEFAULT_MODEL
 from nybble.runtime.engine import LLMEngine
-from nybble.runtime.sampler import SamplingBatch, _filter, sample
+from nybble.runtime.sampler import SamplingBatch, filter_logits, sample
 from tests.runtime.engine_helpers import run_requests
 
 
@@ -46,7 +46,7 @@ def _kept_numpy(logits: np.ndarray, top_k: int, top_p: float, min_p: float) -> s
 def test_filters_match_independent_implementation(top_k, top_p, min_p) -> None:
     torch.manual_seed(0)
     logits = torch.randn(6, 64) * 3
-    filtered = _filter(logits, _batch(6, top_k=top_k, top_p=top_p, min_p=min_p))
+    filtered = filter_logits(logits, _batch(6, top_k=top_k, top_p=top_p, min_p=min_p))
     for row in range(6):
         kept = set(torch.isfinite(filtered[row]).nonzero().flatten().tolist())
         assert kept == _kept_numpy(logits[row].double().numpy(), top_k, top_p, min_p)

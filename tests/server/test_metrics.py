@@ -58,3 +58,27 @@ def test_counters_match_usage_after_n_requests(server: Server, client: openai.Op
     assert after["nybble:num_requests_running"] == 0
     assert after["nybble:num_requests_waiting"] == 0
     assert after["nybble:kv_cache_usage_perc"] == 0
+
+
+def test_speculative_decoding_counters_follow_the_engine() -> None:
+    """vLLM's spec_decode counters appear once the engine reports them, and grow by what the
+    cumulative stats gained."""
+    from nybble.runtime.async_engine import StepRecord
+    from nybble.runtime.messages import EngineStats, SpecDecodeStats
+    from nybble.server.metrics import ServerMetrics
+
+    metrics = ServerMetrics("m")
+    base = {"num_running": 1, "num_waiting": 0, "num_free_blocks": 9, "num_blocks": 10,
+            "kv_cache_usage": 0.1, "num_preemptions": 0, "peak_num_seqs_in_step": 1,
+            "num_steps": 3, "num_live_tokens": 5, "block_size": 16}
+    metrics.observe(StepRecord([], EngineStats(**base)))
+    assert b"spec_decode" not in metrics.render()
+    for spec in (SpecDecodeStats(2, 6, 3, [2, 1, 0]), SpecDecodeStats(5, 15, 9, [5, 3, 1])):
+        metrics.observe(StepRecord([], EngineStats(**base, spec_decode=spec)))
+    text = metrics.render().decode()
+    assert 'nybble:spec_decode_num_drafts_total{model_name="m"} 5.0' in text
+    assert 'nybble:spec_decode_num_draft_tokens_total{model_name="m"} 15.0' in text
+    assert 'nybble:spec_decode_num_accepted_tokens_total{model_name="m"} 9.0' in text
+    for pos, count in enumerate((5, 3, 1)):
+        assert (f'nybble:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",'
+                f'position="{pos}"}} {count}.0') in text
