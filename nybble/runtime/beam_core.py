@@ -90,7 +90,7 @@ class BeamCoordinator:
         first = self._new_seq_ids(width)
         group = range(first, first + width)
         try:
-            self.runner.add_request(first, row)
+            self.runner.add_sampling_rows(first, row)
             self.scheduler.add(first, np.asarray(request.prompt_token_ids, np.int32),
                                request.max_tokens, np.zeros(0, np.int32), width)
         except BaseException:
@@ -208,7 +208,7 @@ class BeamCoordinator:
             self._end(plan.prune)
             for parent, sid, token in plan.forks:
                 self.scheduler.fork(parent, sid, token)
-                self.runner.add_request(sid, plan.request.row_params)
+                self.runner.add_sampling_rows(sid, plan.request.row_params)
                 self.owner[sid] = rid
         self._plans.clear()
         finished = []

@@ -232,6 +232,9 @@ class InputProcessor:
             raise _fail(width_name, "an integer >= 1 (the beam width)", width)
         if _is_int(p.n) and p.n > width:
             raise _fail("n", f"<= the beam width ({width})", p.n)
+        if _is_int(p.max_tokens) and p.max_tokens < 1:
+            raise _fail(names.max_tokens, ">= 1 with use_beam_search (nothing to search)",
+                        p.max_tokens)
         if p.temperature != 0:
             raise _fail("temperature", "0 with use_beam_search (beam search is "
                         "deterministic)", p.temperature)

@@ -37,6 +37,7 @@ from nybble.runtime.sampler import sample
 from nybble.runtime.sampling_table import SamplingTable
 from nybble.runtime.step_inputs import StepInputs
 from nybble.runtime.structured_output import GrammarMatcher
+from nybble.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)
@@ -137,6 +138,11 @@ class ModelRunner:
         except BaseException:
             self.remove_sequences(range(first_seq_id, first_seq_id + params.num_sequences))
             raise
+
+    def add_sampling_rows(self, first_seq_id: int, params: SamplingParams) -> None:
+        """Add only the sampling rows of ``params.num_sequences`` sequences (beam search:
+        its parameters never shape the logits or ask for prompt logprobs)."""
+        self.sampling.add(first_seq_id, params)
 
     def remove_sequences(self, seq_ids: Iterable[int]) -> None:
         """Drop the sampling and shaping rows (and prompt tracking) of finished or aborted
