@@ -44,6 +44,9 @@ def main() -> int:
                    help="schema-following cases per operation, and as many breaking it")
     p.add_argument("--workers", type=int, default=8, help="requests in flight at once")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=120.0,
+                   help="seconds a request may take before the client gives up (counted as "
+                        "dropped)")
     p.add_argument("--serve-args", default="", help="extra nybble serve flags, one string")
     p.add_argument("--output", default=os.path.join(ROOT, "benchmarks", "results",
                                                     "api_fuzz.json"))
@@ -52,7 +55,7 @@ def main() -> int:
                   *args.serve_args.split())
     with launched_server_process(DEFAULT_MODEL, serve_args, 300.0) as (url, _):
         before = greedy_text(url)
-        result = fuzz(url, args.examples, API_KEY, args.workers, args.seed)
+        result = fuzz(url, args.examples, API_KEY, args.workers, args.seed, args.timeout)
         wait_idle(url, API_KEY)
         after = greedy_text(url)
         healthy = httpx.get(url + "/health", timeout=30).status_code == 200
