@@ -68,3 +68,4 @@ cdef class SequenceTable:
                                       const int32_t[::1] counts, int64_t[::1] out_ids,
                                       int32_t[::1] out_tokens, int8_t[::1] out_finish,
                                       int32_t[::1] out_index) noexcept nogil
+    cdef void _drop_finished_running(self) noexcept nogil

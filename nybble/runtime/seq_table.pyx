@@ -307,14 +307,19 @@ cdef class SequenceTable:
                 self.running_weight -= s.num_samples
                 store_release(st, slot)
                 finished += 1
-        if finished:        # drop the finished from the running queue, order kept
-            r = 0
-            for b in range(self.num_running):
-                if st.seqs[st.running[b]].status == SEQ_RUNNING:
-                    st.running[r] = st.running[b]
-                    r += 1
-            self.num_running = r
+        if finished:
+            self._drop_finished_running()
         return finished
+
+    cdef void _drop_finished_running(self) noexcept nogil:
+        """Drop the finished sequences from the running queue, order kept."""
+        cdef SeqStore* st = &self.st
+        cdef int32_t b, r = 0
+        for b in range(self.num_running):
+            if st.seqs[st.running[b]].status == SEQ_RUNNING:
+                st.running[r] = st.running[b]
+                r += 1
+        self.num_running = r
 
     cdef int _advance_and_append_spec(self, BatchBuilder batch, const int32_t[:, ::1] sampled,
                                       const int32_t[::1] counts, int64_t[::1] out_ids,
@@ -378,13 +383,8 @@ cdef class SequenceTable:
                                                cdiv(s.num_tokens, bs))
                 if rc != 0:
                     return rc
-        if any_finished:    # drop the finished from the running queue, order kept
-            r = 0
-            for b in range(self.num_running):
-                if st.seqs[st.running[b]].status == SEQ_RUNNING:
-                    st.running[r] = st.running[b]
-                    r += 1
-            self.num_running = r
+        if any_finished:
+            self._drop_finished_running()
         return n_out
 
     # ---- Python face (tests, debugging) ------------------------------------------------------
