@@ -10,6 +10,7 @@ import random
 from pathlib import Path
 from typing import Any
 
+import lm_eval  # noqa: F401 -- a test dependency: missing is a failure, not a skip
 import pytest
 
 from nybble.config import DEFAULT_MODEL
@@ -19,7 +20,6 @@ from .conftest import start_server, stop_server
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
-lm_eval = pytest.importorskip("lm_eval")
 
 TOL = 1e-4
 NUM_DOCS = 12
