@@ -185,7 +185,8 @@ class AsyncEngine:
         self._task: asyncio.Task[None] | None = None
         self._dead: str | None = None          # why the engine is dead, once it is
         self._closing = False
-        self._window = [time.monotonic(), 0, 0]   # start (s), prompt tokens, generation tokens
+        # start (s; None while idle), prompt tokens, generation tokens of the stats line
+        self._window: list[Any] = [None, 0, 0]
         self._spec_seen: SpecDecodeStats | None = None   # counters at the last log line
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -372,7 +373,7 @@ class AsyncEngine:
         if record.outputs:
             self._maybe_log(record)
         else:   # NOTE: the core went idle: rates count from its next busy period
-            self._window = [record.now, 0, 0]
+            self._window = [None, 0, 0]
 
     def _account(self, stream: RequestStream, out: RequestOutput, record: StepRecord) -> None:
         """Count new tokens, first tokens and inter-token gaps of one request's delta."""
@@ -437,6 +438,12 @@ class AsyncEngine:
                 logger.exception("step observer failed")
 
     def _maybe_log(self, record: StepRecord) -> None:
+        """Accumulate ``record`` into the stats line's window; log and restart the window
+        once it spans ``stats_interval_s`` (the window opens at the first busy step after an
+        idle period, so an idle gap never dilutes the rates)."""
+        if self._window[0] is None:
+            self._window = [record.now, 0, 0]
+            return
         self._window[1] += record.prompt_tokens
         self._window[2] += record.generation_tokens
         elapsed = record.now - self._window[0]

@@ -304,3 +304,26 @@ def test_aborts_and_failures_reach_the_observer_once_each(tok: Tokenizer) -> Non
     asyncio.run(go())
     assert sum(r.aborted for r in records) == 2 and sum(r.failed for r in records) == 2
     assert [rid for r in records for rid in r.first_token_ids] == ["a"]
+
+
+def test_stats_line_rates_skip_idle_gaps(tok: Tokenizer, caplog: pytest.LogCaptureFixture) -> None:
+    """The stats line's window opens at the first busy step after idle: 100 tokens over 5 s
+    read 20 tokens/s, and after a long idle gap the next line reads the new period's rate,
+    not one diluted by the gap."""
+    engine = AsyncEngine(ScriptedClient(), tok, stats_interval_s=5.0)  # type: ignore[arg-type]
+
+    def step(now: float, tokens: int) -> None:
+        engine._maybe_log(StepRecord([], STATS, generation_tokens=tokens, now=now))
+
+    with caplog.at_level("INFO", logger="nybble.runtime.async_engine"):
+        step(1000.0, 7)                       # first busy step: opens the window
+        for i in range(1, 11):
+            step(1000.0 + 0.5 * i, 10)
+        engine._on_outputs(EngineCoreOutputs(stats=STATS))   # the core went idle
+        step(5000.0, 7)                       # an hour later
+        step(5002.5, 25)
+        step(5005.0, 25)
+    lines = [r.getMessage() for r in caplog.records if "generation throughput" in r.getMessage()]
+    assert len(lines) == 2
+    assert "generation throughput: 20.0 tokens/s" in lines[0]
+    assert "generation throughput: 10.0 tokens/s" in lines[1]
