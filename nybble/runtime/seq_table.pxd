@@ -68,4 +68,5 @@ cdef class SequenceTable:
                                       const int32_t[::1] counts, int64_t[::1] out_ids,
                                       int32_t[::1] out_tokens, int8_t[::1] out_finish,
                                       int32_t[::1] out_index) noexcept nogil
+    cdef int _release_finished(self, int32_t slot) noexcept nogil
     cdef void _drop_finished_running(self) noexcept nogil

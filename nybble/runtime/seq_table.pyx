@@ -301,15 +301,25 @@ cdef class SequenceTable:
             fin = append_token(st, s, sampled[r], self._max_model_len)
             out_finish[r] = fin
             if fin != FinishReason.NONE:
-                rc = self.free_blocks(slot)
+                rc = self._release_finished(slot)
                 if rc != 0:
                     return rc
-                self.running_weight -= s.num_samples
-                store_release(st, slot)
                 finished += 1
         if finished:
             self._drop_finished_running()
         return finished
+
+    cdef int _release_finished(self, int32_t slot) noexcept nogil:
+        """A sequence that just finished in a step: free its blocks, take its samples off the
+        running weight and release its slot (it leaves the running queue in
+        :meth:`_drop_finished_running`). Returns the allocator's error code (0: ok)."""
+        cdef SeqState* s = &self.st.seqs[slot]
+        cdef int rc = self.free_blocks(slot)
+        if rc != 0:
+            return rc
+        self.running_weight -= s.num_samples
+        store_release(&self.st, slot)
+        return 0
 
     cdef void _drop_finished_running(self) noexcept nogil:
         """Drop the finished sequences from the running queue, order kept."""
@@ -364,11 +374,9 @@ cdef class SequenceTable:
                 if fin != FinishReason.NONE:
                     break
             if fin != FinishReason.NONE:
-                rc = self.free_blocks(slot)
+                rc = self._release_finished(slot)
                 if rc != 0:
                     return rc
-                self.running_weight -= s.num_samples
-                store_release(st, slot)
                 any_finished = True
                 fin = FinishReason.NONE
                 continue
