@@ -41,6 +41,13 @@ extensions.append(Extension(
     "nybble.kernels.cpu_attention", ["nybble/kernels/cpu_attention.pyx"], define_macros=macros,
     extra_compile_args=["-O3", "-fno-math-errno", "-fno-signed-zeros", "-fno-trapping-math",
                         "-fassociative-math"]))
+# The CPU weight-only INT4/INT8 GEMM (nybble/kernels/cpu_wo_gemm.pyx + .h): the AVX2 path is
+# compiled for that target alone (function attributes) and chosen at run time, so the module
+# still loads on CPUs without it.
+extensions.append(Extension(
+    "nybble.kernels.cpu_wo_gemm", ["nybble/kernels/cpu_wo_gemm.pyx"], define_macros=macros,
+    include_dirs=["nybble/kernels"], depends=["nybble/kernels/cpu_wo_gemm.h"],
+    extra_compile_args=["-O3"]))
 
 # NOTE: a separate build dir per mode, so toggling NYBBLE_CYTHON_DEBUG never reuses stale C.
 setup(ext_modules=cythonize(extensions, compiler_directives=directives,

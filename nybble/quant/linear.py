@@ -9,11 +9,12 @@ their buffer bytes is the checkpoint's packed weight memory (:func:`weight_bytes
 ``group_size`` is always the real, positive group size (the config resolves a per-channel
 ``-1``).
 
-CPU: a module loaded on the CPU also repacks its weight once for torch's weight-only kernels
-(:mod:`nybble.kernels.cpu_weight_only`; about 0.5 extra bytes per INT4 weight, 1 per INT8),
-used for calls of up to ``MAX_ROWS`` tokens (decode); longer calls (prefill), float64 calls
-(the test oracle) and layouts the kernels cannot take use the reference dequantization. Each distinct choice is logged once per
-model (:class:`CpuPathLog`). ``NYBBLE_CPU_WEIGHT_ONLY=0`` turns the repack off.
+CPU: a module loaded on the CPU also repacks its weight once for nybble's weight-only kernel
+(:mod:`nybble.kernels.cpu_weight_only`; about 0.5 extra bytes per INT4 weight, 1 per INT8,
+plus float32 scales and zero points), used for calls of up to ``MAX_ROWS`` tokens (decode);
+longer calls (prefill), float64 calls (the test oracle) and layouts the kernel cannot take use
+the reference dequantization. Each distinct choice is logged once per model
+(:class:`CpuPathLog`). ``NYBBLE_CPU_WEIGHT_ONLY=0`` turns the repack off.
 """
 from __future__ import annotations
 
