@@ -82,7 +82,9 @@ def wo_gemm(const float[:, :] x, const unsigned char[::1] packed, int bits, int6
     w.bits, w.K, w.N, w.Np, w.group, w.G = bits, k, n, np_, group_size, g
     w.w = <const void *> &packed[0]
     w.scales, w.zeros = &scales[0, 0], &zeros[0, 0]
-    w.perm = NULL if perm is None else &perm[0]
+    w.perm = NULL
+    if perm is not None:
+        w.perm = &perm[0]
     cdef int64_t ldx = x.strides[0] // sizeof(float), ldy = out.strides[0] // sizeof(float)
     cdef int rc
     with nogil:
