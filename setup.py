@@ -46,8 +46,16 @@ extensions.append(Extension(
 # still loads on CPUs without it.
 extensions.append(Extension(
     "nybble.kernels.cpu_wo_gemm", ["nybble/kernels/cpu_wo_gemm.pyx"], define_macros=macros,
-    include_dirs=["nybble/kernels"], depends=["nybble/kernels/cpu_wo_gemm.h"],
+    include_dirs=["nybble/kernels"], depends=["nybble/kernels/cpu_wo_gemm.h", "nybble/kernels/cpu_features.h"],
     extra_compile_args=["-O3"]))
+# The fused CPU decode step (nybble/kernels/cpu_decoder.pyx + .h); the same float flags as the
+# attention kernel, so the dot products' sums vectorise.
+extensions.append(Extension(
+    "nybble.kernels.cpu_decoder", ["nybble/kernels/cpu_decoder.pyx"], define_macros=macros,
+    include_dirs=["nybble/kernels", np.get_include()], depends=["nybble/kernels/cpu_decoder.h",
+                                                   "nybble/kernels/cpu_features.h"],
+    extra_compile_args=["-O3", "-fno-math-errno", "-fno-signed-zeros", "-fno-trapping-math",
+                        "-fassociative-math"]))
 
 # NOTE: a separate build dir per mode, so toggling NYBBLE_CYTHON_DEBUG never reuses stale C.
 setup(ext_modules=cythonize(extensions, compiler_directives=directives,

@@ -84,8 +84,10 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
                         help="0: eager PyTorch; 3: torch.compile the dense segments between "
                              "attentions (compiles on first use: tens of seconds on a CPU)")
     parser.add_argument("--enforce-eager", action="store_true",
-                        help="never capture CUDA graphs (by default, on CUDA, decode steps "
-                             "replay graphs captured at start-up for batch-size buckets)")
+                        help="run every step op by op (by default, on CUDA, decode steps "
+                             "replay graphs captured at start-up for batch-size buckets, and "
+                             "on the CPU a float32 model's decode steps of up to 32 "
+                             "sequences run as one fused C call)")
     parser.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None,
                         metavar="N",
                         help="batch sizes to capture CUDA graphs for (default: 1 2 4 8 16 "

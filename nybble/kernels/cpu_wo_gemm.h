@@ -27,9 +27,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include "cpu_features.h"
+#ifdef NYB_X86_AVX2
 #include <immintrin.h>
-#define NYB_X86_AVX2 1
 #endif
 
 #define NYB_COLS 32
@@ -180,18 +180,9 @@ static NYB_AVX2 void nyb_block_avx2(const nyb_wo_weight *W, const float *x, cons
                                            yt + m0 * NYB_COLS, 1);
     }
 }
-
-static int nyb_have_avx2(void) {
-    static int have = -1;
-    if (have < 0) {
-        __builtin_cpu_init();
-        have = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    }
-    return have;
-}
-#else
-static int nyb_have_avx2(void) { return 0; }
 #endif
+
+static int nyb_have_avx2(void) { return nyb_cpu_has_avx2_fma(); }
 
 /* y[M, N] (row stride ldy) = x[M, K] (row stride ldx) @ W^T.  Returns 0, or -1 when M is
  * out of [1, NYB_MAX_ROWS] or memory runs out (y untouched then).  force_portable: 1 takes

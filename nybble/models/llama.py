@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from nybble.kernels.interface import AttentionBackend, AttentionMetadata
+from nybble.models.cpu_fused import FusedCpuDecode
 from nybble.models.hf_config import HFConfig
 from nybble.models.layer_ops import (
     EAGER_SEGMENTS,
@@ -142,6 +143,7 @@ class LlamaForCausalLM(nn.Module):
             requires_grad=False)
         self.segments: Segments = EAGER_SEGMENTS
         self._ops: ModelOps | None = None
+        self.fused_decode: FusedCpuDecode | None = None
 
     def ops(self) -> ModelOps:
         """The model as plain callables (:class:`ModelOps`), built on first use: after the
@@ -157,7 +159,15 @@ class LlamaForCausalLM(nn.Module):
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
         self._ops = None   # parameters may be new tensors after .to() / .half()
+        self.fused_decode = None
         return super()._apply(fn, recurse)
+
+    def enable_fused_cpu_decode(self, kv_caches: list[torch.Tensor]) -> str:
+        """Run decode-only steps over ``kv_caches`` as one C call
+        (:class:`nybble.models.cpu_fused.FusedCpuDecode`) when the model qualifies; returns
+        what was chosen (or why not), for the log."""
+        self.fused_decode, why = FusedCpuDecode.build(self, kv_caches)
+        return why
 
     def compile_segments(self) -> None:
         """``torch.compile`` (inductor) the dense segments between attentions; attention and
@@ -170,7 +180,12 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         """``input_ids, positions: [T]`` (int32 or int64) -> final hidden states
         ``[T, hidden]``; writes the step's K/V into ``kv_caches`` (see
-        :func:`nybble.models.layer_ops.run_step`)."""
+        :func:`nybble.models.layer_ops.run_step`; a decode-only step on the fused CPU path when
+        it is on)."""
+        if self.fused_decode is not None and meta.is_decode_only:
+            hidden = self.fused_decode(input_ids, positions, meta)
+            if hidden is not None:
+                return hidden
         return run_step(self.ops(), self.segments, input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

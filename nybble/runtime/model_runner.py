@@ -14,6 +14,7 @@ numpy arrays.
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -38,6 +39,8 @@ from nybble.runtime.sampling_table import SamplingTable
 from nybble.runtime.step_inputs import StepInputs
 from nybble.runtime.structured_output import GrammarMatcher
 from nybble.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -115,6 +118,9 @@ class ModelRunner:
                                        dtype=np.int32).tobytes()
         if cc.compilation_level == 3:
             self.model.compile_segments()
+        elif device.type == "cpu" and not cc.enforce_eager:
+            logger.info("CPU decode step: %s",
+                        self.model.enable_fused_cpu_decode(self.kv_caches))
         self.graphs: DecodeGraphs | None = None
         if device.type == "cuda" and not cc.enforce_eager and \
                 self.model.attention_backend.name == "triton":

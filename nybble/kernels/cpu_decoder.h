@@ -1,0 +1,242 @@
+/* A whole Llama-family decode step on the CPU in one call: float32 weights and KV cache.
+ *
+ * For T sequences with one new token each: embedding row, then per layer RMSNorm -> fused
+ * q/k/v projection (+ bias) -> RoPE (the model's cos/sin table, HF's rotate_half layout) ->
+ * K/V written to the paged cache at the token's slot -> paged attention over the sequence's
+ * cached positions through its block table (PagedAttention, Kwon et al., SOSP 2023) ->
+ * o_proj + residual -> RMSNorm -> fused gate/up -> SiLU(gate) * up -> down + residual; then the
+ * final RMSNorm.  The result is the final hidden state [T, H]; the LM head stays with the
+ * caller.  The same arithmetic as the torch path (float32 everywhere, sums in float32), in a
+ * different summation order, and without the ~230 framework op dispatches a small model's
+ * step costs there.
+ *
+ * Layouts: linear weights [out, in] row-major (torch's), biases [out] or NULL; the KV cache
+ * [2, NB, BS, Hkv, D] C-contiguous; the RoPE table [P, 2, D] holds cos = [c, c] and
+ * sin = [-s, s] per position, so rotated x[i] = x[i] cos[i] + x[(i + D/2) % D] sin[i].
+ * An x86-64 AVX2+FMA copy of the code is chosen at run time when the CPU has it.
+ */
+#ifndef NYB_CPU_DECODER_H
+#define NYB_CPU_DECODER_H
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_features.h"
+
+typedef struct {
+    const float *in_norm, *post_norm;  /* [H] */
+    const float *qkv_w, *qkv_b;        /* [(Hq + 2 Hkv) D, H], bias or NULL */
+    const float *o_w, *o_b;            /* [H, Hq D] */
+    const float *gu_w, *gu_b;          /* [2 FF, H] (gate rows first) */
+    const float *down_w, *down_b;      /* [H, FF] */
+    float *kv_cache;                   /* [2, NB, BS, Hkv, D] */
+} nyb_layer;
+
+typedef struct {
+    int64_t H, FF, Hq, Hkv, D, L, V, NB, BS, P;
+    float eps, scale;
+    const float *embed;       /* [V, H] */
+    const float *final_norm;  /* [H] */
+    const float *cos_sin;     /* [P, 2, D] */
+    const nyb_layer *layers;  /* [L] */
+} nyb_decoder;
+
+#define NYB_INLINE static inline __attribute__((always_inline))
+
+/* y[t, n] (row stride ldy) = (acc ? y[t, n] : 0) + b[n] + x[t, :K] . W[n, :K] for t < T.
+ * Register tiles of 4 rows x 2 output features (8 sums, each vectorised over k), so each
+ * loaded weight serves 4 rows and each loaded activation 2 features; remainders one by one. */
+NYB_INLINE void nyb_store(float *y, float s, const float *b, int64_t n, int acc) {
+    *y = (acc ? *y : 0.0f) + (s + (b ? b[n] : 0.0f));
+}
+
+NYB_INLINE void nyb_linear(const float *x, int64_t T, int64_t K, const float *W,
+                           const float *b, int64_t N, float *y, int64_t ldy, int acc) {
+    int64_t n = 0;
+    for (; n + 2 <= N; n += 2) {
+        const float *w0 = W + n * K, *w1 = w0 + K;
+        int64_t t = 0;
+        for (; t + 4 <= T; t += 4) {
+            const float *x0 = x + t * K, *x1 = x0 + K, *x2 = x1 + K, *x3 = x2 + K;
+            float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+            float c0 = 0.0f, c1 = 0.0f, c2 = 0.0f, c3 = 0.0f;
+            for (int64_t k = 0; k < K; k++) {
+                a0 += x0[k] * w0[k]; c0 += x0[k] * w1[k];
+                a1 += x1[k] * w0[k]; c1 += x1[k] * w1[k];
+                a2 += x2[k] * w0[k]; c2 += x2[k] * w1[k];
+                a3 += x3[k] * w0[k]; c3 += x3[k] * w1[k];
+            }
+            float *yt = y + t * ldy + n;
+            nyb_store(yt, a0, b, n, acc); nyb_store(yt + 1, c0, b, n + 1, acc);
+            nyb_store(yt + ldy, a1, b, n, acc); nyb_store(yt + ldy + 1, c1, b, n + 1, acc);
+            nyb_store(yt + 2 * ldy, a2, b, n, acc);
+            nyb_store(yt + 2 * ldy + 1, c2, b, n + 1, acc);
+            nyb_store(yt + 3 * ldy, a3, b, n, acc);
+            nyb_store(yt + 3 * ldy + 1, c3, b, n + 1, acc);
+        }
+        for (; t < T; t++) {
+            const float *xt = x + t * K;
+            float a = 0.0f, c = 0.0f;
+            for (int64_t k = 0; k < K; k++) { a += xt[k] * w0[k]; c += xt[k] * w1[k]; }
+            nyb_store(y + t * ldy + n, a, b, n, acc);
+            nyb_store(y + t * ldy + n + 1, c, b, n + 1, acc);
+        }
+    }
+    for (; n < N; n++) {
+        const float *w = W + n * K;
+        for (int64_t t = 0; t < T; t++) {
+            const float *xt = x + t * K;
+            float s = 0.0f;
+            for (int64_t k = 0; k < K; k++) s += xt[k] * w[k];
+            nyb_store(y + t * ldy + n, s, b, n, acc);
+        }
+    }
+}
+
+/* out[t] = w * x[t] / sqrt(mean(x[t]^2) + eps), rows of H. */
+NYB_INLINE void nyb_rms_norm(const float *x, int64_t T, int64_t H, const float *w, float eps,
+                             float *out) {
+    for (int64_t t = 0; t < T; t++) {
+        const float *xt = x + t * H;
+        float ss = 0.0f;
+        for (int64_t i = 0; i < H; i++) ss += xt[i] * xt[i];
+        const float r = 1.0f / sqrtf(ss / (float)H + eps);
+        float *o = out + t * H;
+        for (int64_t i = 0; i < H; i++) o[i] = w[i] * (xt[i] * r);
+    }
+}
+
+/* Rotate `heads` heads of D at x in place by the table rows cs = [cos D, sin D]. */
+NYB_INLINE void nyb_rope(float *x, int64_t heads, int64_t D, const float *cs, float *tmp) {
+    const int64_t half = D / 2;
+    for (int64_t h = 0; h < heads; h++) {
+        float *xh = x + h * D;
+        memcpy(tmp, xh, sizeof(float) * (size_t)D);
+        for (int64_t i = 0; i < D; i++)
+            xh[i] = tmp[i] * cs[i] + tmp[(i + half) % D] * cs[D + i];
+    }
+}
+
+/* Decode attention of one token: q [Hq, D] over `len` cached positions -> out [Hq, D].
+ * work: Hq * len floats. */
+NYB_INLINE void nyb_attend(const nyb_decoder *M, const float *keys, const float *values,
+                           const int32_t *table, int64_t len, const float *q, float *out,
+                           float *work) {
+    const int64_t Hq = M->Hq, Hkv = M->Hkv, D = M->D, BS = M->BS, group = Hq / Hkv;
+    const int64_t slot_stride = Hkv * D;
+    for (int64_t p = 0; p < len; p++) {
+        const float *k = keys + ((int64_t)table[p / BS] * BS + p % BS) * slot_stride;
+        for (int64_t h = 0; h < Hq; h++) {
+            const float *qh = q + h * D, *kh = k + (h / group) * D;
+            float s = 0.0f;
+            for (int64_t d = 0; d < D; d++) s += qh[d] * kh[d];
+            work[h * len + p] = s * M->scale;
+        }
+    }
+    for (int64_t h = 0; h < Hq; h++) {
+        float *row = work + h * len, mx = -INFINITY, total = 0.0f;
+        for (int64_t p = 0; p < len; p++) mx = row[p] > mx ? row[p] : mx;
+        for (int64_t p = 0; p < len; p++) { row[p] = expf(row[p] - mx); total += row[p]; }
+        const float inv = 1.0f / total;
+        for (int64_t p = 0; p < len; p++) row[p] *= inv;
+    }
+    memset(out, 0, sizeof(float) * (size_t)(Hq * D));
+    for (int64_t p = 0; p < len; p++) {
+        const float *v = values + ((int64_t)table[p / BS] * BS + p % BS) * slot_stride;
+        for (int64_t h = 0; h < Hq; h++) {
+            const float pr = work[h * len + p], *vh = v + (h / group) * D;
+            float *o = out + h * D;
+            for (int64_t d = 0; d < D; d++) o[d] += pr * vh[d];
+        }
+    }
+}
+
+NYB_INLINE void nyb_decode_body(const nyb_decoder *M, int64_t T, const int64_t *ids,
+                                const int64_t *pos, const int64_t *slots,
+                                const int32_t *tables, int64_t MB, const int32_t *seq_lens,
+                                float *out, float *buf) {
+    const int64_t H = M->H, FF = M->FF, D = M->D, Hq = M->Hq, Hkv = M->Hkv;
+    const int64_t QKV = (Hq + 2 * Hkv) * D, cache_half = M->NB * M->BS * Hkv * D;
+    float *h = buf, *xn = h + T * H, *qkv = xn + T * H, *att = qkv + T * QKV;
+    float *gu = att + T * Hq * D, *act = gu + T * 2 * FF, *tmp = act + T * FF, *work = tmp + D;
+    for (int64_t t = 0; t < T; t++)
+        memcpy(h + t * H, M->embed + ids[t] * H, sizeof(float) * (size_t)H);
+    for (int64_t l = 0; l < M->L; l++) {
+        const nyb_layer *ly = M->layers + l;
+        nyb_rms_norm(h, T, H, ly->in_norm, M->eps, xn);
+        nyb_linear(xn, T, H, ly->qkv_w, ly->qkv_b, QKV, qkv, QKV, 0);
+        for (int64_t t = 0; t < T; t++) {
+            float *qt = qkv + t * QKV, *kt = qt + Hq * D, *vt = kt + Hkv * D;
+            nyb_rope(qt, Hq + Hkv, D, M->cos_sin + pos[t] * 2 * D, tmp);  /* q and k */
+            if (slots[t] >= 0) {
+                memcpy(ly->kv_cache + slots[t] * Hkv * D, kt, sizeof(float) * (size_t)(Hkv * D));
+                memcpy(ly->kv_cache + cache_half + slots[t] * Hkv * D, vt,
+                       sizeof(float) * (size_t)(Hkv * D));
+            }
+        }
+        for (int64_t t = 0; t < T; t++)
+            nyb_attend(M, ly->kv_cache, ly->kv_cache + cache_half, tables + t * MB,
+                       seq_lens[t], qkv + t * QKV, att + t * Hq * D, work);
+        nyb_linear(att, T, Hq * D, ly->o_w, ly->o_b, H, h, H, 1);
+        nyb_rms_norm(h, T, H, ly->post_norm, M->eps, xn);
+        nyb_linear(xn, T, H, ly->gu_w, ly->gu_b, 2 * FF, gu, 2 * FF, 0);
+        for (int64_t t = 0; t < T; t++) {  /* SiLU(gate) * up */
+            const float *g = gu + t * 2 * FF;
+            float *a = act + t * FF;
+            for (int64_t i = 0; i < FF; i++) a[i] = g[i] / (1.0f + expf(-g[i])) * g[FF + i];
+        }
+        nyb_linear(act, T, FF, ly->down_w, ly->down_b, H, h, H, 1);
+    }
+    nyb_rms_norm(h, T, H, M->final_norm, M->eps, out);
+}
+
+#ifdef NYB_X86_AVX2
+static __attribute__((target("avx2,fma"))) void nyb_decode_avx2(
+        const nyb_decoder *M, int64_t T, const int64_t *ids, const int64_t *pos,
+        const int64_t *slots, const int32_t *tables, int64_t MB, const int32_t *seq_lens,
+        float *out, float *buf) {
+    nyb_decode_body(M, T, ids, pos, slots, tables, MB, seq_lens, out, buf);
+}
+#endif
+
+static int nyb_decoder_avx2(void) { return nyb_cpu_has_avx2_fma(); }
+
+static void nyb_decode_portable(const nyb_decoder *M, int64_t T, const int64_t *ids,
+                                const int64_t *pos, const int64_t *slots,
+                                const int32_t *tables, int64_t MB, const int32_t *seq_lens,
+                                float *out, float *buf) {
+    nyb_decode_body(M, T, ids, pos, slots, tables, MB, seq_lens, out, buf);
+}
+
+/* Check the step's indices, then run it.  Returns 0; -1 no memory; -2 an index out of range
+ * (a token id, position, slot, sequence length or block id), with nothing written. */
+static int nyb_decode_forward(const nyb_decoder *M, int64_t T, const int64_t *ids,
+                              const int64_t *pos, const int64_t *slots, const int32_t *tables,
+                              int64_t MB, const int32_t *seq_lens, float *out, int portable) {
+    int64_t longest = 1;
+    for (int64_t t = 0; t < T; t++) {
+        if (ids[t] < 0 || ids[t] >= M->V || pos[t] < 0 || pos[t] >= M->P
+                || slots[t] < -1 || slots[t] >= M->NB * M->BS
+                || seq_lens[t] < 1 || seq_lens[t] > MB * M->BS) return -2;
+        for (int64_t j = 0; j < (seq_lens[t] + M->BS - 1) / M->BS; j++)
+            if (tables[t * MB + j] < 0 || tables[t * MB + j] >= M->NB) return -2;
+        if (seq_lens[t] > longest) longest = seq_lens[t];
+    }
+    const int64_t QKV = (M->Hq + 2 * M->Hkv) * M->D;
+    const size_t floats = (size_t)(T * (2 * M->H + QKV + M->Hq * M->D + 3 * M->FF) + M->D
+                                   + M->Hq * longest);
+    float *buf = (float *)malloc(sizeof(float) * floats);
+    if (buf == NULL) return -1;
+#ifdef NYB_X86_AVX2
+    if (!portable && nyb_decoder_avx2())
+        nyb_decode_avx2(M, T, ids, pos, slots, tables, MB, seq_lens, out, buf);
+    else
+#endif
+        nyb_decode_portable(M, T, ids, pos, slots, tables, MB, seq_lens, out, buf);
+    free(buf);
+    return 0;
+}
+
+#endif

@@ -1,0 +1,124 @@
+"""The fused CPU decode step (nybble.models.cpu_fused, nybble.kernels.cpu_decoder) against the
+model's torch path: the same final hidden states and the same KV-cache writes for a decode step
+of sequences with different lengths and blocks, on every tiny variant (GQA, llama3 RoPE, q/k/v
+bias, Qwen2); bad indices raise before anything is written; models it cannot take say why.
+Greedy outputs through the engine (fused by default on CPU) equal transformers' in
+tests/runtime/test_engine_hf_parity.py."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from nybble.config import ModelConfig
+from nybble.kernels.cpu_backend import CpuAttentionBackend
+from nybble.kernels.interface import AttentionMetadata
+from nybble.models.cpu_fused import FusedCpuDecode
+from nybble.models.loader import load_model
+
+from .hf_tiny import VARIANTS, make_tiny_model
+
+BLOCK, BLOCKS = 4, 32
+
+
+def _meta(slots: list[int], starts: list[int], lens: list[int], tables: list[list[int]]
+          ) -> AttentionMetadata:
+    q = np.diff(starts)
+    return AttentionMetadata(
+        torch.tensor(slots, dtype=torch.int64), torch.tensor(starts, dtype=torch.int32),
+        torch.tensor(lens, dtype=torch.int32), torch.tensor(tables, dtype=torch.int32),
+        int(q.max()), max(lens), bool((q == 1).all()))
+
+
+def _setup(path: str, kv_dtype: torch.dtype = torch.float32):
+    loaded = load_model(ModelConfig(model=path, dtype="float32", max_model_len=64, device="cpu"),
+                        CpuAttentionBackend(), torch.device("cpu"))
+    model = loaded.model
+    attn = model.layers[0].self_attn
+    caches = [torch.zeros(2, BLOCKS, BLOCK, attn.num_kv_heads, attn.head_dim, dtype=kv_dtype)
+              for _ in model.layers]
+    return model, caches
+
+
+# three sequences: prompt lengths 5, 9, 2 in scattered blocks
+TABLES = [[7, 3, 0, 0], [1, 12, 30, 0], [20, 0, 0, 0]]
+PROMPTS = [[1, 17, 99, 4, 250], [1, 5, 6, 7, 8, 9, 10, 11, 12], [1, 300]]
+
+
+def _slot(table: list[int], pos: int) -> int:
+    return table[pos // BLOCK] * BLOCK + pos % BLOCK
+
+
+def _prefill(model, caches) -> None:
+    ids = torch.tensor([t for p in PROMPTS for t in p])
+    pos = torch.tensor([i for p in PROMPTS for i in range(len(p))])
+    slots = [_slot(TABLES[s], i) for s, p in enumerate(PROMPTS) for i in range(len(p))]
+    starts = list(np.cumsum([0] + [len(p) for p in PROMPTS]))
+    with torch.no_grad():
+        model(ids, pos, caches, _meta(slots, starts, [len(p) for p in PROMPTS], TABLES))
+
+
+def _decode_meta(tokens: int = 3) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    lens = [len(p) + 1 for p in PROMPTS][:tokens]
+    ids = torch.tensor([42, 7, 311][:tokens])
+    pos = torch.tensor([n - 1 for n in lens])
+    slots = [_slot(TABLES[s], n - 1) for s, n in enumerate(lens)]
+    return ids, pos, _meta(slots, list(range(tokens + 1)), lens, TABLES[:tokens])
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_fused_step_equals_the_torch_path(variant: str, tmp_path) -> None:
+    model, caches = _setup(make_tiny_model(variant, str(tmp_path)))
+    _prefill(model, caches)
+    ids, pos, meta = _decode_meta()
+    torch_caches = [c.clone() for c in caches]
+    with torch.no_grad():
+        want = model(ids, pos, torch_caches, meta)   # not enabled yet: the torch path
+    assert model.enable_fused_cpu_decode(caches) == "fused C decode step"
+    got = model(ids, pos, caches, meta)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for c, tc in zip(caches, torch_caches):
+        torch.testing.assert_close(c, tc, rtol=1e-6, atol=1e-6)
+    portable = model.fused_decode.decoder  # the portable C loop computes the same step
+    out = np.empty((3, model.config.hidden_size), np.float32)
+    portable.forward(ids.numpy(), pos.numpy(), meta.slot_mapping.numpy(),
+                     meta.block_tables.numpy(), meta.seq_lens.numpy(), out, portable=True)
+    torch.testing.assert_close(torch.from_numpy(out), want, rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_and_large_steps_keep_the_torch_path(tmp_path, monkeypatch) -> None:
+    model, caches = _setup(make_tiny_model("llama-gqa", str(tmp_path)))
+    model.enable_fused_cpu_decode(caches)
+    ids, pos, meta = _decode_meta()
+    prefill = _meta([0, 1], [0, 2], [2], [[0, 0, 0, 0]])
+    assert model.fused_decode(ids[:2], pos[:2], prefill) is None
+    assert model.fused_decode(ids, pos, meta) is not None
+    monkeypatch.setattr("nybble.models.cpu_fused.MAX_FUSED_TOKENS", 2)
+    assert model.fused_decode(ids, pos, meta) is None
+
+
+def test_bad_indices_raise_and_write_nothing(tmp_path) -> None:
+    model, caches = _setup(make_tiny_model("qwen2", str(tmp_path)))
+    model.enable_fused_cpu_decode(caches)
+    ids, pos, meta = _decode_meta()
+    before = [c.clone() for c in caches]
+    bad_id = ids.clone()
+    bad_id[1] = model.config.vocab_size
+    bad_table = _meta(meta.slot_mapping.tolist(), list(range(4)), meta.seq_lens.tolist(),
+                      [[7, 3, 0, 0], [1, 12, BLOCKS, 0], [20, 0, 0, 0]])
+    too_long = _meta(meta.slot_mapping.tolist(), list(range(4)), [6, 10, 4 * BLOCK + 1],
+                     TABLES)
+    for args in ((bad_id, pos, meta), (ids, pos, bad_table), (ids, pos, too_long)):
+        with pytest.raises(ValueError, match="an index is out of range"):
+            model.fused_decode(*args)
+        assert all(torch.equal(c, b) for c, b in zip(caches, before))
+
+
+def test_models_it_cannot_take_say_why(tmp_path) -> None:
+    path = make_tiny_model("llama-gqa", str(tmp_path))
+    model, caches = _setup(path, kv_dtype=torch.int8)
+    assert FusedCpuDecode.build(model, caches) == (None, "the KV cache must be float32")
+    model, caches = _setup(path)
+    model.to(torch.float16)
+    assert model.enable_fused_cpu_decode(caches).startswith("weights must be float32")
+    assert model.fused_decode is None
