@@ -95,6 +95,24 @@ NYB_INLINE void nyb_linear(const float *x, int64_t T, int64_t K, const float *W,
     }
 }
 
+/* e^x in float32 within ~2 ulp for x in [-87, 88] (Cephes' expf: 2^n times a degree-7
+ * polynomial of the remainder after splitting ln 2 in two parts); written without a libm
+ * call or branch so that loops over it vectorise.  x is clamped to [-87.3, 88.7]. */
+NYB_INLINE float nyb_expf(float x) {
+    x = x < -87.3f ? -87.3f : (x > 88.7f ? 88.7f : x);
+    const float n = floorf(x * 1.44269504088896341f + 0.5f);
+    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    union { int32_t i; float f; } two_n = { .i = ((int32_t)n + 127) << 23 };
+    return p * two_n.f;
+}
+
 /* out[t] = w * x[t] / sqrt(mean(x[t]^2) + eps), rows of H. */
 NYB_INLINE void nyb_rms_norm(const float *x, int64_t T, int64_t H, const float *w, float eps,
                              float *out) {
@@ -138,7 +156,7 @@ NYB_INLINE void nyb_attend(const nyb_decoder *M, const float *keys, const float 
     for (int64_t h = 0; h < Hq; h++) {
         float *row = work + h * len, mx = -INFINITY, total = 0.0f;
         for (int64_t p = 0; p < len; p++) mx = row[p] > mx ? row[p] : mx;
-        for (int64_t p = 0; p < len; p++) { row[p] = expf(row[p] - mx); total += row[p]; }
+        for (int64_t p = 0; p < len; p++) { row[p] = nyb_expf(row[p] - mx); total += row[p]; }
         const float inv = 1.0f / total;
         for (int64_t p = 0; p < len; p++) row[p] *= inv;
     }
@@ -185,7 +203,7 @@ NYB_INLINE void nyb_decode_body(const nyb_decoder *M, int64_t T, const int64_t *
         for (int64_t t = 0; t < T; t++) {  /* SiLU(gate) * up */
             const float *g = gu + t * 2 * FF;
             float *a = act + t * FF;
-            for (int64_t i = 0; i < FF; i++) a[i] = g[i] / (1.0f + expf(-g[i])) * g[FF + i];
+            for (int64_t i = 0; i < FF; i++) a[i] = g[i] / (1.0f + nyb_expf(-g[i])) * g[FF + i];
         }
         nyb_linear(act, T, FF, ly->down_w, ly->down_b, H, h, H, 1);
     }

@@ -57,9 +57,11 @@ class FusedCpuDecode:
     plain decode step (the caller then runs the torch path).
     """
 
-    def __init__(self, decoder: CpuDecoder, hidden_size: int) -> None:
+    def __init__(self, decoder: CpuDecoder, hidden_size: int,
+                 kv_caches: list[torch.Tensor]) -> None:
         self.decoder = decoder
         self.hidden_size = hidden_size
+        self.cache_ptrs = tuple(c.data_ptr() for c in kv_caches)
 
     @classmethod
     def build(cls, model: LlamaForCausalLM, kv_caches: list[torch.Tensor]
@@ -91,12 +93,14 @@ class FusedCpuDecode:
         decoder = CpuDecoder(_array(emb), _array(model.norm.weight),
                              _array(model.rotary_emb.cos_sin), layers, attn0.num_heads,
                              attn0.num_kv_heads, eps.pop(), attn0.scale)
-        return cls(decoder, model.config.hidden_size), "fused C decode step"
+        return cls(decoder, model.config.hidden_size, kv_caches), "fused C decode step"
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                 meta: AttentionMetadata) -> torch.Tensor | None:
+                 kv_caches: list[torch.Tensor], meta: AttentionMetadata
+                 ) -> torch.Tensor | None:
         """Final hidden states ``[T, hidden]`` float32 of a decode-only step (K/V written),
-        or None when the step is not one (prefill rows).
+        or None when the step is not one it takes (prefill rows, more than
+        :data:`MAX_FUSED_TOKENS` sequences, or other caches than it was built for).
 
         Raises:
             ValueError: an index out of range (token id, position, slot, block id); nothing
@@ -104,7 +108,8 @@ class FusedCpuDecode:
         """
         tokens = input_ids.shape[0]
         if not meta.is_decode_only or meta.block_tables.shape[0] != tokens \
-                or tokens > MAX_FUSED_TOKENS:
+                or tokens > MAX_FUSED_TOKENS or len(kv_caches) != len(self.cache_ptrs) \
+                or kv_caches[0].data_ptr() != self.cache_ptrs[0]:
             return None
         out = torch.empty(input_ids.shape[0], self.hidden_size, dtype=torch.float32)
         self.decoder.forward(

@@ -183,7 +183,7 @@ class LlamaForCausalLM(nn.Module):
         :func:`nybble.models.layer_ops.run_step`; a decode-only step on the fused CPU path when
         it is on)."""
         if self.fused_decode is not None and meta.is_decode_only:
-            hidden = self.fused_decode(input_ids, positions, meta)
+            hidden = self.fused_decode(input_ids, positions, kv_caches, meta)
             if hidden is not None:
                 return hidden
         return run_step(self.ops(), self.segments, input_ids, positions, kv_caches, meta)

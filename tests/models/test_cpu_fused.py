@@ -86,15 +86,16 @@ def test_fused_step_equals_the_torch_path(variant: str, tmp_path) -> None:
     torch.testing.assert_close(torch.from_numpy(out), want, rtol=1e-5, atol=1e-5)
 
 
-def test_prefill_and_large_steps_keep_the_torch_path(tmp_path, monkeypatch) -> None:
+def test_prefill_large_steps_and_other_caches_keep_the_torch_path(tmp_path, monkeypatch) -> None:
     model, caches = _setup(make_tiny_model("llama-gqa", str(tmp_path)))
     model.enable_fused_cpu_decode(caches)
     ids, pos, meta = _decode_meta()
     prefill = _meta([0, 1], [0, 2], [2], [[0, 0, 0, 0]])
-    assert model.fused_decode(ids[:2], pos[:2], prefill) is None
-    assert model.fused_decode(ids, pos, meta) is not None
+    assert model.fused_decode(ids[:2], pos[:2], caches, prefill) is None
+    assert model.fused_decode(ids, pos, [c.clone() for c in caches], meta) is None
+    assert model.fused_decode(ids, pos, caches, meta) is not None
     monkeypatch.setattr("nybble.models.cpu_fused.MAX_FUSED_TOKENS", 2)
-    assert model.fused_decode(ids, pos, meta) is None
+    assert model.fused_decode(ids, pos, caches, meta) is None
 
 
 def test_bad_indices_raise_and_write_nothing(tmp_path) -> None:
@@ -110,7 +111,7 @@ def test_bad_indices_raise_and_write_nothing(tmp_path) -> None:
                      TABLES)
     for args in ((bad_id, pos, meta), (ids, pos, bad_table), (ids, pos, too_long)):
         with pytest.raises(ValueError, match="an index is out of range"):
-            model.fused_decode(*args)
+            model.fused_decode(*args[:2], caches, args[2])
         assert all(torch.equal(c, b) for c, b in zip(caches, before))
 
 
@@ -122,3 +123,20 @@ def test_models_it_cannot_take_say_why(tmp_path) -> None:
     model.to(torch.float16)
     assert model.enable_fused_cpu_decode(caches).startswith("weights must be float32")
     assert model.fused_decode is None
+
+
+def test_engine_uses_it_on_cpu_unless_enforce_eager() -> None:
+    """The runner turns the fused step on for the bundled model on the CPU (and greedy text
+    equals the op-by-op path's); ``enforce_eager`` keeps the torch path."""
+    from nybble import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompts = ["Once upon a time", "The dog ran to the", "Lily"]
+    outs = {}
+    for eager in (False, True):
+        llm = LLM(max_num_seqs=4, kv_cache_memory=8 * 2**20, enforce_eager=eager)
+        model = llm.llm_engine.loaded.model
+        assert (model.fused_decode is None) == eager
+        outs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params,
+                                                                   use_tqdm=False)]
+    assert outs[False] == outs[True]
