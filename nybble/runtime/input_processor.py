@@ -76,6 +76,11 @@ _BEAM_NEUTRAL = (("logit_bias", None), ("min_tokens", 0), ("repetition_penalty",
 their neutral values."""
 
 
+_SPECULATIVE_APPLIES = frozenset({"best_of", "min_tokens"})
+"""The parameters of :data:`_BEAM_NEUTRAL` that speculative decoding applies (its verification
+shapes each verified position as decoding without speculation would)."""
+
+
 def _fail(name: str, allowed: str, value: object) -> InvalidRequestError:
     return InvalidRequestError(f"{name} must be {allowed}, got {value!r}", param=name)
 
@@ -204,12 +209,13 @@ class InputProcessor:
 
     def _check_speculative(self, p: SamplingParams) -> None:
         """With speculative decoding on, the parameters its verification does not apply
-        (beam search, logit shaping, structured output, prompt logprobs) are refused."""
+        (beam search, logit shaping other than ``min_tokens``, structured output, prompt
+        logprobs) are refused."""
         if not self.limits.speculative:
             return
         for name, neutral in (("use_beam_search", False), *_BEAM_NEUTRAL):
             value = getattr(p, name)
-            if name in ("best_of",):
+            if name in _SPECULATIVE_APPLIES:
                 continue
             if value is not None and value != neutral and value not in ({}, []):
                 raise _fail(name, f"unset while speculative decoding is on (not supported "

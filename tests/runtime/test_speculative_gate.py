@@ -1,6 +1,6 @@
 """With speculative decoding on, the request gate refuses the parameters its verification does
-not apply (beam search, logit shaping, structured output, prompt logprobs), naming each; the
-same requests pass when it is off."""
+not apply (beam search, logit shaping other than min_tokens, structured output, prompt
+logprobs), naming each; the same requests pass when it is off."""
 from __future__ import annotations
 
 import pytest
@@ -24,7 +24,7 @@ def gates() -> tuple[InputProcessor, InputProcessor]:
 
 
 @pytest.mark.parametrize("param,value", [
-    ("use_beam_search", True), ("logit_bias", {5: 1.0}), ("min_tokens", 2),
+    ("use_beam_search", True), ("logit_bias", {5: 1.0}),
     ("repetition_penalty", 1.2), ("presence_penalty", 0.5), ("frequency_penalty", 0.5),
     ("bad_words", ["dog"]), ("allowed_token_ids", [5, 9]), ("prompt_logprobs", 1),
 ])
@@ -43,3 +43,5 @@ def test_plain_requests_pass_with_speculation(gates: tuple[InputProcessor, Input
     spec, _ = gates
     spec.process("r", PROMPT, SamplingParams(temperature=0.8, n=2, seed=3, logprobs=2,
                                              stop=["."], max_tokens=8, repetition_penalty=1.0))
+    spec.process("r", PROMPT, SamplingParams(temperature=0.0, max_tokens=8, min_tokens=8,
+                                             stop_token_ids=[9]))

@@ -1,0 +1,80 @@
+"""Speculative decoding with ``min_tokens`` and logit shaping, end to end: stories3m verified
+with the bundled stories260k draft and with n-gram proposals (batched, preemption and prefix
+caching on) emits token for token what the same engine emits without speculation, in a batch
+where only some requests shape; nothing leaks."""
+from __future__ import annotations
+
+import pytest
+
+from nybble import LLM, SamplingParams
+from tests.runtime.engine_helpers import assert_idle_and_clean
+from tests.runtime.test_speculative import PROMPTS, baseline, spec_llm  # noqa: F401 (fixtures)
+
+DOT, COMMA = 426, 432      # "." and "," in the stories tokenizer
+EOS_IDS = (2, 1)           # stories3m's generation_config: its stories end with BOS
+ENDS_EARLY = "The bird flew away and was never seen again"   # stories3m: EOS after 90 tokens
+BALL = PROMPTS[4]                                            # stories3m: EOS after 108
+
+
+def _same(baseline: LLM, spec: LLM, prompts: list[str],          # noqa: F811
+          params: list[SamplingParams]) -> list:
+    """Both engines' outputs, asserted equal (tokens, text, finish and stop reasons); the
+    speculative engine idle with nothing leaked."""
+    want = baseline.generate(prompts, params, use_tqdm=False)
+    got = spec.generate(prompts, params, use_tqdm=False)
+    for w, g, p in zip(want, got, params):
+        for wo, go in zip(w.outputs, g.outputs):
+            assert (go.token_ids, go.text, go.finish_reason, go.stop_reason) == \
+                (wo.token_ids, wo.text, wo.finish_reason, wo.stop_reason), (w.prompt, p)
+    assert_idle_and_clean(spec.llm_engine)
+    return want
+
+
+@pytest.mark.slow
+def test_greedy_min_tokens_is_token_for_token_the_targets(baseline: LLM,       # noqa: F811
+                                                          spec_llm: LLM) -> None:   # noqa: F811
+    """A mixed batch: min_tokens past the model's own EOS, past a stop token id (".", which
+    every story reaches early), holding a stop string back, next to requests without it."""
+    g = dict(temperature=0.0)
+    cases = [
+        (ENDS_EARLY, SamplingParams(max_tokens=110, min_tokens=100, **g)),
+        (ENDS_EARLY, SamplingParams(max_tokens=110, **g)),
+        (BALL, SamplingParams(max_tokens=120, min_tokens=112, **g)),
+        (PROMPTS[0], SamplingParams(max_tokens=60, min_tokens=25, stop_token_ids=[DOT], **g)),
+        (PROMPTS[1], SamplingParams(max_tokens=60, stop_token_ids=[DOT], **g)),
+        (PROMPTS[2], SamplingParams(max_tokens=60, min_tokens=9, stop_token_ids=[DOT, COMMA],
+                                    **g)),
+        (PROMPTS[3], SamplingParams(max_tokens=50, min_tokens=12, stop=[" the", "."], **g)),
+        (PROMPTS[5], SamplingParams(max_tokens=40, n=2, min_tokens=30, stop_token_ids=[DOT],
+                                    **g)),
+        (PROMPTS[7], SamplingParams(max_tokens=45, **g)),
+        (PROMPTS[9], SamplingParams(max_tokens=40, min_tokens=40, stop_token_ids=[DOT], **g)),
+        (PROMPTS[0], SamplingParams(max_tokens=60, stop_token_ids=[DOT], **g)),
+    ]
+    prompts, params = [c[0] for c in cases], [c[1] for c in cases]
+    want = _same(baseline, spec_llm, prompts, params)
+    lens = [len(o.outputs[0].token_ids) for o in want]
+    toks = [o.outputs[0].token_ids for o in want]
+    # the tests prove something: min_tokens held back the EOS at 90 and the "." at 12 ...
+    assert lens[1] == 90 and toks[1][-1] in EOS_IDS and lens[0] == 110
+    assert not set(EOS_IDS) & set(toks[0])
+    assert toks[0][:89] == toks[1][:89] and lens[2] == 120
+    assert lens[10] < 25 and toks[10][-1] == DOT and toks[3][:lens[10] - 1] == toks[10][:-1]
+    assert lens[3] > 25 and toks[3][-1] == DOT and toks[3].count(DOT) == 1
+    # ... and speculation, preemption and prefix caching all happened
+    stats = spec_llm.llm_engine.get_stats()
+    assert stats.spec_decode.num_accepted_tokens > 0 and stats.num_preemptions > 0
+
+
+@pytest.mark.slow
+def test_min_tokens_boundary_at_every_offset(baseline: LLM, spec_llm: LLM) -> None:  # noqa: F811
+    """A stop token right at the first allowed position: ``min_tokens`` 0..29 with "." as
+    stop id; wherever a "." is the argmax at output token ``min_tokens + 1`` that token ends
+    the output, at whichever verified position (draft or bonus) it falls."""
+    prompts = [p for p in (PROMPTS[0], PROMPTS[2], PROMPTS[6]) for _ in range(30)]
+    params = [SamplingParams(temperature=0.0, max_tokens=40, min_tokens=k % 30,
+                             stop_token_ids=[DOT]) for k in range(len(prompts))]
+    want = _same(baseline, spec_llm, prompts, params)
+    at_boundary = [k % 30 for k, o in enumerate(want)
+                   if len(o.outputs[0].token_ids) == k % 30 + 1]
+    assert len(at_boundary) >= 5, at_boundary
