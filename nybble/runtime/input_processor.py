@@ -76,9 +76,10 @@ _BEAM_NEUTRAL = (("logit_bias", None), ("min_tokens", 0), ("repetition_penalty",
 their neutral values."""
 
 
-_SPECULATIVE_APPLIES = frozenset({"best_of", "min_tokens"})
-"""The parameters of :data:`_BEAM_NEUTRAL` that speculative decoding applies (its verification
-shapes each verified position as decoding without speculation would)."""
+_SPECULATIVE_REFUSES = (("use_beam_search", False), ("guided_decoding", None),
+                        ("prompt_logprobs", None))
+"""What speculative decoding does not apply, with the neutral values (docs/serving.md §1.7a
+says why); logit shaping and ``min_tokens`` it applies at every verified position."""
 
 
 def _fail(name: str, allowed: str, value: object) -> InvalidRequestError:
@@ -209,14 +210,11 @@ class InputProcessor:
 
     def _check_speculative(self, p: SamplingParams) -> None:
         """With speculative decoding on, the parameters its verification does not apply
-        (beam search, logit shaping other than ``min_tokens``, structured output, prompt
-        logprobs) are refused."""
+        (beam search, structured output, prompt logprobs) are refused."""
         if not self.limits.speculative:
             return
-        for name, neutral in (("use_beam_search", False), *_BEAM_NEUTRAL):
+        for name, neutral in _SPECULATIVE_REFUSES:
             value = getattr(p, name)
-            if name in _SPECULATIVE_APPLIES:
-                continue
             if value is not None and value != neutral and value not in ({}, []):
                 raise _fail(name, f"unset while speculative decoding is on (not supported "
                             f"with --speculative-config), or {neutral!r}", value)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from nybble import LLM, SamplingParams
+from nybble.config import DEFAULT_MODEL
 from tests.runtime.engine_helpers import assert_idle_and_clean
 from tests.runtime.test_speculative import PROMPTS, baseline, spec_llm  # noqa: F401 (fixtures)
 
@@ -78,3 +79,59 @@ def test_min_tokens_boundary_at_every_offset(baseline: LLM, spec_llm: LLM) -> No
     at_boundary = [k % 30 for k, o in enumerate(want)
                    if len(o.outputs[0].token_ids) == k % 30 + 1]
     assert len(at_boundary) >= 5, at_boundary
+
+
+STORY = ("Once upon a time there was a little girl named Lily. She liked to play with her "
+         "dog in the park. One day, the sun was big and she was very happy.")
+SHAPING = {
+    "logit_bias": dict(logit_bias={DOT: -4.0, COMMA: 3.0, 263: 2.5}),
+    "allowed_token_ids": None,    # the ids of STORY (built from the tokenizer below)
+    "bad_words": dict(bad_words=["the", "was very", "to play", "a cat"]),
+    "repetition_penalty": dict(repetition_penalty=1.4),
+    "presence_penalty": dict(presence_penalty=1.2),
+    "frequency_penalty": dict(frequency_penalty=0.9),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SHAPING))
+def test_greedy_shaping_is_token_for_token_the_targets(baseline: LLM, spec_llm: LLM,  # noqa: F811
+                                                       name: str) -> None:
+    """One parameter at a time, in a batch where every other request does not use it: each
+    verified position is shaped with the drafts before it in the output (bad words, the
+    penalties' counts), so greedy output equals decoding without speculation."""
+    kw = SHAPING[name]
+    if kw is None:
+        ids = sorted(set(baseline.get_tokenizer().encode(STORY)) | set(EOS_IDS))
+        kw = dict(allowed_token_ids=ids)
+    prompts = [PROMPTS[i] for i in (0, 4, 7, 10, 2, 5)]
+    shaped = [SamplingParams(temperature=0.0, max_tokens=48, **kw) for _ in prompts]
+    plain = [SamplingParams(temperature=0.0, max_tokens=48) for _ in prompts]
+    params = [shaped[i] if i % 2 == 0 else plain[i] for i in range(len(prompts))]
+    want = _same(baseline, spec_llm, prompts + prompts[:2],
+                 params + [plain[0], SamplingParams(temperature=0.0, max_tokens=48, n=2, **kw)])
+    changed = [w.outputs[0].token_ids != u.outputs[0].token_ids
+               for w, u in zip(want[0:6:2], baseline.generate(
+                   prompts[0:6:2], plain[0:6:2], use_tqdm=False))]
+    assert any(changed), f"{name} changed no output: the test proves nothing"
+
+
+def test_penalties_count_the_drafts_before_each_position() -> None:
+    """The bundled model drafting for itself, 8 drafts, from one- or two-word prompts: the
+    drafts are mostly new tokens, so whether a position counts the drafts before it decides
+    the penalties there (measured: leaving them out changes this batch's output). Greedy
+    output equals decoding without speculation; nothing leaks."""
+    base = LLM(DEFAULT_MODEL, num_gpu_blocks=64)
+    spec = LLM(DEFAULT_MODEL, num_gpu_blocks=64,
+               speculative_config={"model": DEFAULT_MODEL, "num_speculative_tokens": 8})
+    prompts, params = [], []
+    for kw in (dict(presence_penalty=2.0), dict(repetition_penalty=1.5),
+               dict(frequency_penalty=1.0), dict(presence_penalty=0.3),
+               dict(frequency_penalty=0.2), dict(frequency_penalty=0.4, presence_penalty=-0.5,
+                                                 repetition_penalty=1.1)):
+        for i, prompt in enumerate(("Once", "The", "A", "Tom", "Lily", "One day")):
+            prompts.append(prompt)
+            params.append(SamplingParams(temperature=0.0, max_tokens=40,
+                                         **(kw if i != 2 else {})))
+    _same(base, spec, prompts, params)
+    assert spec.llm_engine.get_stats().spec_decode.num_accepted_tokens > 0
