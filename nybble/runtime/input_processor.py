@@ -25,6 +25,10 @@ Beam search (``use_beam_search``) also needs ``n <= beam_width``, ``temperature 
 ``True, False, "never"`` and its candidates per step (:func:`num_candidates`) within the
 vocabulary; without it, the beam parameters must keep their defaults.
 
+With speculative decoding on, beam search, structured output and ``prompt_logprobs`` are
+refused (docs/serving.md §1.7a); ``min_tokens`` and logit shaping are applied at every verified
+position by the model runner.
+
 The gate holds no mutable state: it may run on any thread (the server calls it on its event
 loop, before the engine thread sees the request) and, later, in the API server process.
 """

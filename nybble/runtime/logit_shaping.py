@@ -205,7 +205,8 @@ class LogitShaping:
                 logits.index_add_(0, self._t(rows[m]), self._bias[self._t(slots[m])])
         if n["bad"]:
             hits = [(i, last) for i, s in zip(rows.tolist(), slots.tolist())
-                    for last in banned_next(self._bad[s], self._history_at(s, i, layout))]
+                    for last in banned_next(self._bad[s], self._history[s] if layout is None
+                                                   else layout.history(i, self._history[s]))]
             if hits:
                 ban = torch.tensor(hits, device=self.device)
                 logits[ban[:, 0], ban[:, 1]] = NEG_INF
@@ -226,14 +227,6 @@ class LogitShaping:
         if n["grammar"]:
             self._apply_grammar(logits, rows, slots, before_min)
         return logits
-
-    def _history_at(self, slot: int, row: int, layout: VerifyLayout | None) -> list[int] | None:
-        """The bad-word history of logits ``row`` (its sequence's, then its preceding
-        drafts)."""
-        history = self._history[slot]
-        if layout is None or history is None or not layout.offsets[row]:
-            return history
-        return history + layout.history(row)
 
     def _penalize(self, logits: torch.Tensor, rows: np.ndarray, slots: np.ndarray,
                   layout: VerifyLayout | None) -> None:

@@ -82,6 +82,10 @@ class VerifyLayout:
         within = np.arange(len(k), dtype=np.int64) - np.repeat(np.cumsum(offs) - offs, offs)
         return k, self.drafts[np.repeat(rows - offs, offs) + within]
 
-    def history(self, row: int) -> list[int]:
-        """The drafts before logits ``row`` in its sample, in order."""
-        return self.drafts[row - int(self.offsets[row]):row].tolist()
+    def history(self, row: int, output: list[int] | None = ()) -> list[int] | None:
+        """``output`` (a sequence's recent output tokens; ``None``: none kept) followed by
+        the drafts before logits ``row`` in its sample, in order."""
+        j = int(self.offsets[row])
+        if output is None or not j:
+            return output if output is None else list(output)
+        return [*output, *self.drafts[row - j:row].tolist()]

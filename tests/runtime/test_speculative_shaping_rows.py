@@ -27,6 +27,7 @@ def test_layout_offsets_and_preceding_drafts() -> None:
     k, toks = layout.preceding(np.array([0, 1, 2, 3, 7]))
     assert k.tolist() == [1, 2, 2, 4, 4, 4] and toks.tolist() == [7, 7, 8, 4, 5, 6]
     assert layout.history(6) == [4, 5] and layout.history(3) == []
+    assert layout.history(6, [9]) == [9, 4, 5] and layout.history(6, None) is None
 
 
 @pytest.mark.parametrize("num_draft", [0, 1, 4])
