@@ -135,3 +135,28 @@ def test_penalties_count_the_drafts_before_each_position() -> None:
                                          **(kw if i != 2 else {})))
     _same(base, spec, prompts, params)
     assert spec.llm_engine.get_stats().spec_decode.num_accepted_tokens > 0
+
+
+def test_seeded_shaped_sampling_is_reproducible_and_keeps_min_tokens() -> None:
+    """Random sampling under speculation with min_tokens (a stop id the model likes: ".")
+    and penalties: no stop before token min_tokens + 1 in any sample, and a seeded request's
+    samples are the same alone and in a batch."""
+    llm = LLM(DEFAULT_MODEL, num_gpu_blocks=128,
+              speculative_config={"model": DEFAULT_MODEL, "num_speculative_tokens": 4})
+    params = [SamplingParams(temperature=0.8, max_tokens=30, min_tokens=k, seed=s, n=3,
+                             stop_token_ids=[DOT], presence_penalty=0.4, frequency_penalty=0.2,
+                             logit_bias={COMMA: 1.5})
+              for s, k in ((1, 0), (2, 6), (3, 12), (4, 20))]
+    prompts = ["Once", "The cat", "Lily saw", "One day"]
+    alone = [llm.generate(p, q, use_tqdm=False)[0] for p, q in zip(prompts, params)]
+    batched = llm.generate(prompts + prompts, params + [SamplingParams(temperature=0.0,
+                                                                       max_tokens=20)] * 4,
+                           use_tqdm=False)
+    stopped = 0
+    for a, b, p in zip(alone, batched, params):
+        assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+        for o in a.outputs:
+            assert DOT not in o.token_ids[:p.min_tokens] and len(o.token_ids) > p.min_tokens
+            stopped += o.finish_reason == "stop"
+    assert stopped >= 4, "too few samples stopped: the test proves little"
+    assert_idle_and_clean(llm.llm_engine)
