@@ -25,6 +25,10 @@ Beam search (``use_beam_search``) also needs ``n <= beam_width``, ``temperature 
 ``True, False, "never"`` and its candidates per step (:func:`num_candidates`) within the
 vocabulary; without it, the beam parameters must keep their defaults.
 
+With speculative decoding on, beam search, structured output and ``prompt_logprobs`` are
+refused (docs/serving.md §1.7a); ``min_tokens`` and logit shaping are applied at every verified
+position by the model runner.
+
 The gate holds no mutable state: it may run on any thread (the server calls it on its event
 loop, before the engine thread sees the request) and, later, in the API server process.
 """
@@ -74,6 +78,12 @@ _BEAM_NEUTRAL = (("logit_bias", None), ("min_tokens", 0), ("repetition_penalty",
                  ("prompt_logprobs", None))
 """Parameters beam search does not apply (logit shaping, best_of, prompt logprobs), with
 their neutral values."""
+
+
+_SPECULATIVE_REFUSES = (("use_beam_search", False), ("guided_decoding", None),
+                        ("prompt_logprobs", None))
+"""What speculative decoding does not apply, with the neutral values (docs/serving.md §1.7a
+says why); logit shaping and ``min_tokens`` it applies at every verified position."""
 
 
 def _fail(name: str, allowed: str, value: object) -> InvalidRequestError:
@@ -204,13 +214,11 @@ class InputProcessor:
 
     def _check_speculative(self, p: SamplingParams) -> None:
         """With speculative decoding on, the parameters its verification does not apply
-        (beam search, logit shaping, structured output, prompt logprobs) are refused."""
+        (beam search, structured output, prompt logprobs) are refused."""
         if not self.limits.speculative:
             return
-        for name, neutral in (("use_beam_search", False), *_BEAM_NEUTRAL):
+        for name, neutral in _SPECULATIVE_REFUSES:
             value = getattr(p, name)
-            if name in ("best_of",):
-                continue
             if value is not None and value != neutral and value not in ({}, []):
                 raise _fail(name, f"unset while speculative decoding is on (not supported "
                             f"with --speculative-config), or {neutral!r}", value)

@@ -22,6 +22,12 @@ each step (one scatter for the batch, never rebuilt from token lists); a row is 
 when a sequence is added, so a freed row carries nothing over. Preemption by recompute keeps
 the row (the output tokens stay output tokens); a failed step aborts its requests, which
 frees their rows.
+
+Speculative decoding (:class:`VerifyLayout`) shapes the ``m + 1`` verified positions of a
+sample as non-speculative decoding would shape each of those tokens: at offset ``j`` the
+output is ``j`` tokens longer (``min_tokens``) and ends with the sample's drafts ``0 .. j-1``
+(``bad_words``, the penalties' counts), added to per-row copies, never to the rows' state;
+:meth:`accept` then records every emitted token.
 """
 from __future__ import annotations
 
@@ -31,7 +37,7 @@ import numpy as np
 import torch
 
 from nybble.runtime.messages import EngineCoreRequest
-from nybble.runtime.shaping_rows import NEG_INF, banned_next, static_row
+from nybble.runtime.shaping_rows import NEG_INF, VerifyLayout, banned_next, static_row
 from nybble.runtime.structured_output import GrammarBitmask, GrammarMatcher
 
 
@@ -170,12 +176,16 @@ class LogitShaping:
     def _t(self, a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(a).to(self.device)
 
-    def apply(self, logits: torch.Tensor, seq_ids: np.ndarray) -> torch.Tensor:
+    def apply(self, logits: torch.Tensor, seq_ids: np.ndarray,
+              layout: VerifyLayout | None = None) -> torch.Tensor:
         """The shaped logits of a step.
 
         Args:
-            logits: ``[S, vocab]`` float32 logits, row ``i`` sampled for ``seq_ids[i]``.
-            seq_ids: int64[S] sequence ids.
+            logits: ``[N, vocab]`` float32 logits, row ``i`` sampled for ``seq_ids[i]``.
+            seq_ids: int64[N] sequence ids (a speculative step repeats a sample's id over its
+                ``m + 1`` rows).
+            layout: a speculative step's row offsets and drafts; ``None``: each row is its
+                sequence's next token.
 
         Returns:
             ``logits`` itself when no row shapes; else a shaped copy (the raw logits stay
@@ -195,17 +205,19 @@ class LogitShaping:
                 logits.index_add_(0, self._t(rows[m]), self._bias[self._t(slots[m])])
         if n["bad"]:
             hits = [(i, last) for i, s in zip(rows.tolist(), slots.tolist())
-                    for last in banned_next(self._bad[s], self._history[s])]
+                    for last in banned_next(self._bad[s], self._history[s] if layout is None
+                                                   else layout.history(i, self._history[s]))]
             if hits:
                 ban = torch.tensor(hits, device=self.device)
                 logits[ban[:, 0], ban[:, 1]] = NEG_INF
         if n["pen"]:
             m = h["pen"][slots]
             if m.any():
-                self._penalize(logits, rows[m], slots[m])
+                self._penalize(logits, rows[m], slots[m], layout)
         before_min = None
         if n["min"]:
-            m = h["out"][slots] < h["min"][slots]
+            out = h["out"][slots] if layout is None else h["out"][slots] + layout.offsets[rows]
+            m = out < h["min"][slots]
             if m.any():
                 before_min = logits.clone() if n["grammar"] else None
                 r = np.concatenate([np.full(len(self._stops[s]), i)   # type: ignore[arg-type]
@@ -216,10 +228,17 @@ class LogitShaping:
             self._apply_grammar(logits, rows, slots, before_min)
         return logits
 
-    def _penalize(self, logits: torch.Tensor, rows: np.ndarray, slots: np.ndarray) -> None:
+    def _penalize(self, logits: torch.Tensor, rows: np.ndarray, slots: np.ndarray,
+                  layout: VerifyLayout | None) -> None:
         r, s = self._t(rows), self._t(slots)
         h = self._host
-        counts = self._counts[s]
+        counts = self._counts[s]    # NOTE: a gather: a copy the drafts may be added to
+        if layout is not None:
+            k, drafts = layout.preceding(rows)
+            if len(k):
+                k_t = self._t(k)
+                counts.index_put_((k_t, self._t(drafts)),
+                                  torch.ones_like(k_t, dtype=torch.int32), accumulate=True)
         out_seen = counts > 0
         x = logits[r]
         rep = self._t(h["rep"][slots])[:, None]
@@ -251,9 +270,16 @@ class LogitShaping:
                     self._bitmask.reapply(row, k)   # only the grammar's stops
         logits[r] = sub
 
-    def accept(self, seq_ids: np.ndarray, tokens: np.ndarray) -> list[int]:
+    def accept(self, seq_ids: np.ndarray, tokens: np.ndarray,
+               num_tokens: np.ndarray | None = None) -> list[int]:
         """Record one step's sampled tokens (``tokens[i]`` for ``seq_ids[i]``): counts, output
         lengths, bad-word histories, grammar matchers.
+
+        Args:
+            seq_ids: ``int64[S]`` distinct sequence ids.
+            tokens: ``int[S]``; with ``num_tokens`` (a speculative step), ``int[S, W]``, row
+                ``i`` emitting ``tokens[i, :num_tokens[i]]`` in order.
+            num_tokens: ``int[S]`` tokens per row, or ``None`` (one each).
 
         Returns:
             The sequences whose grammar has terminated (it accepted a stop token) or refused
@@ -266,24 +292,28 @@ class LogitShaping:
             return []
         rows, slots = found
         h, n = self._host, self._num
-        toks = tokens[rows].astype(np.int64)
-        h["out"][slots] += 1   # NOTE: one token per sequence per step: slots are distinct
+        toks = tokens[rows].astype(np.int64).reshape(len(rows), -1)
+        num = np.ones(len(rows), np.int64) if num_tokens is None else \
+            num_tokens[rows].astype(np.int64)
+        valid = np.arange(toks.shape[1])[None, :] < num[:, None]
+        h["out"][slots] += num   # NOTE: one row per sequence per step: slots are distinct
         if n["pen"]:
-            m = h["pen"][slots]
+            m = valid & h["pen"][slots][:, None]
             if m.any():
-                s, t = self._t(slots[m]), self._t(toks[m])
-                self._counts.index_put_((s, t), torch.ones_like(s, dtype=torch.int32),
-                                        accumulate=True)
+                s = self._t(np.broadcast_to(slots[:, None], toks.shape)[m])
+                self._counts.index_put_((s, self._t(toks[m])),
+                                        torch.ones_like(s, dtype=torch.int32), accumulate=True)
         done: list[int] = []
         if n["bad"] or n["grammar"]:
-            for s, tok, seq in zip(slots.tolist(), toks.tolist(), seq_ids[rows].tolist()):
+            for s, row, k, seq in zip(slots.tolist(), toks.tolist(), num.tolist(),
+                                      seq_ids[rows].tolist()):
                 history = self._history[s]
                 if history is not None:
-                    history.append(tok)
+                    history += row[:k]
                     keep = max(len(p) for p, _ in self._bad[s] or ())   # type: ignore[union-attr]
                     del history[:-keep]
                 matcher = self._matchers[s]
-                if matcher is not None and not matcher.accept(tok):
+                if matcher is not None and not all(matcher.accept(t) for t in row[:k]):
                     done.append(seq)
         return done
 

@@ -36,6 +36,7 @@ from nybble.runtime.prompt_logprobs import PromptLogprobsChunk, PromptLogprobsTr
 from nybble.runtime.rejection_sampler import rejection_sample
 from nybble.runtime.sampler import sample
 from nybble.runtime.sampling_table import SamplingTable
+from nybble.runtime.shaping_rows import VerifyLayout
 from nybble.runtime.step_inputs import StepInputs
 from nybble.runtime.structured_output import GrammarMatcher
 from nybble.sampling_params import SamplingParams
@@ -245,9 +246,16 @@ class ModelRunner:
         drafts = batch.input_ids[np.minimum(rows + 1, batch.num_tokens - 1)]
         logits = self.model.compute_logits(
             hidden.index_select(0, torch.from_numpy(rows).to(self.device)))
-        out = rejection_sample(logits, torch.from_numpy(drafts.astype(np.int64)).to(self.device),
+        shaped = logits
+        if len(self.shaping):   # NOTE: each position shaped as without speculation
+            shaped = self.shaping.apply(logits, np.repeat(batch.sample_seq_ids, width),
+                                        VerifyLayout.from_num_drafts(m, drafts))
+        out = rejection_sample(shaped, torch.from_numpy(drafts.astype(np.int64)).to(self.device),
                                batch.num_draft_tokens, batch.positions[rows] + 1,
-                               self.sampling.batch(batch.sample_seq_ids), self.generator)
+                               self.sampling.batch(batch.sample_seq_ids), self.generator,
+                               raw_logits=None if shaped is logits else logits)
+        if len(self.shaping):
+            self.shaping.accept(batch.sample_seq_ids, out.token_ids, out.counts)
         if self.proposer is not None:
             self.proposer.note_verified(batch.sample_seq_ids, batch.num_draft_tokens, out.counts)
         return ModelRunnerOutput(token_ids=out.token_ids, logprobs=out.logprobs,

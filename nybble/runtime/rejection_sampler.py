@@ -17,7 +17,10 @@ iff ``d_i == t_i`` -- probability ``p_i(d_i)`` -- while on a rejection ``t_i`` i
 which given ``t_i != d_i`` is distributed as ``p_i`` without ``d_i``: the rule above, exactly.
 A greedy row (temperature 0) thus accepts ``d_i`` iff it is ``argmax p_i``: the output is the
 target's greedy output token for token. ``p`` is the target's distribution after the
-request's temperature, top-k, top-p and min-p (:mod:`nybble.runtime.sampler`).
+request's logit shaping at that position (:class:`~nybble.runtime.shaping_rows.VerifyLayout`:
+``min_tokens``, bias, bad words, penalties) and its temperature, top-k, top-p and min-p
+(:mod:`nybble.runtime.sampler`). The rule is exact for any proposal ``q``, so the proposers
+never shape: a draft the shaping bans (``p_i(d_i) = 0``) is simply rejected.
 
 A seeded request draws the noise of each position from a generator seeded by its own seed and
 the position (:func:`position_seed`), so its tokens depend neither on the batch nor on how
@@ -93,7 +96,8 @@ def _noise(sub: SamplingBatch, positions: list[int], vocab: int,
 
 def rejection_sample(logits: torch.Tensor, draft_ids: torch.Tensor, num_draft: np.ndarray,
                      positions: np.ndarray, params: SamplingBatch,
-                     generator: torch.Generator | None) -> VerifyOutput:
+                     generator: torch.Generator | None,
+                     raw_logits: torch.Tensor | None = None) -> VerifyOutput:
     """Verify the drafts of ``S`` sample rows (see the module docstring for the rule).
 
     Args:
@@ -105,6 +109,8 @@ def rejection_sample(logits: torch.Tensor, draft_ids: torch.Tensor, num_draft: n
         positions: ``int64[N]`` the position the token of each logits row takes (tokens).
         params: sampling parameters of the ``S`` sample rows.
         generator: generator of the rows without a seed.
+        raw_logits: the model's logits before logit shaping, when ``logits`` are shaped:
+            logprobs are reported under these (as :func:`~nybble.runtime.sampler.sample`).
 
     Returns:
         :class:`VerifyOutput`.
@@ -138,7 +144,7 @@ def rejection_sample(logits: torch.Tensor, draft_ids: torch.Tensor, num_draft: n
     out = VerifyOutput(chosen.to(torch.int32).cpu().numpy(), counts.cpu().numpy(), None, None,
                        None)
     if params.max_logprobs >= 0:
-        logprobs = logits.log_softmax(dim=-1)
+        logprobs = (logits if raw_logits is None else raw_logits.float()).log_softmax(dim=-1)
         out.logprobs = logprobs[index].gather(-1, chosen[:, :, None])[:, :, 0].cpu().numpy()
         if params.max_logprobs > 0:
             top_lp, top_ids = logprobs.topk(params.max_logprobs, dim=-1)

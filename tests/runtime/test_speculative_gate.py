@@ -1,11 +1,12 @@
 """With speculative decoding on, the request gate refuses the parameters its verification does
-not apply (beam search, logit shaping, structured output, prompt logprobs), naming each; the
-same requests pass when it is off."""
+not apply (beam search, structured output, prompt logprobs), naming each; the same requests
+pass when it is off. Logit shaping and min_tokens pass."""
 from __future__ import annotations
 
 import pytest
 
 from nybble import SamplingParams
+from nybble.sampling_params import GuidedDecodingParams
 from nybble.config import DEFAULT_MODEL
 from nybble.errors import InvalidRequestError
 from nybble.runtime.input_processor import InputProcessor, RequestLimits
@@ -24,9 +25,8 @@ def gates() -> tuple[InputProcessor, InputProcessor]:
 
 
 @pytest.mark.parametrize("param,value", [
-    ("use_beam_search", True), ("logit_bias", {5: 1.0}), ("min_tokens", 2),
-    ("repetition_penalty", 1.2), ("presence_penalty", 0.5), ("frequency_penalty", 0.5),
-    ("bad_words", ["dog"]), ("allowed_token_ids", [5, 9]), ("prompt_logprobs", 1),
+    ("use_beam_search", True), ("guided_decoding", GuidedDecodingParams(regex="[ab]+")),
+    ("prompt_logprobs", 1), ("prompt_logprobs", 0),
 ])
 def test_speculation_refuses_what_it_does_not_apply(gates: tuple[InputProcessor, InputProcessor],
                                                     param: str, value: object) -> None:
@@ -43,3 +43,7 @@ def test_plain_requests_pass_with_speculation(gates: tuple[InputProcessor, Input
     spec, _ = gates
     spec.process("r", PROMPT, SamplingParams(temperature=0.8, n=2, seed=3, logprobs=2,
                                              stop=["."], max_tokens=8, repetition_penalty=1.0))
+    spec.process("r", PROMPT, SamplingParams(
+        temperature=0.0, max_tokens=8, min_tokens=8, stop_token_ids=[9], logit_bias={5: 1.0},
+        repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=-0.5,
+        bad_words=["dog", "was happy"], allowed_token_ids=[5, 9, 11]))
