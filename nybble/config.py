@@ -261,8 +261,8 @@ class CompilationConfig:
             level), compiled on first use: tens of seconds of start-up on a CPU.
         enforce_eager: run every step op by op. Otherwise, on CUDA with the Triton
             attention backend, decode steps replay graphs captured at start-up for
-            batch-size buckets (``cuda_graph_sizes``), and on the CPU decode steps of up to
-            32 sequences of a float32 model run as one fused C call
+            batch-size buckets (``cuda_graph_sizes``), and on the CPU a float32 model's decode
+            steps of up to 32 sequences (every step of a small model) run as one fused C call
             (:mod:`nybble.models.cpu_fused`).
         cuda_graph_sizes: the buckets (sequences); default 1, 2, 4, then multiples of 8, up
             to ``max_num_seqs`` (at most 512). A decode step of B sequences runs the graph

@@ -87,7 +87,8 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
                         help="run every step op by op (by default, on CUDA, decode steps "
                              "replay graphs captured at start-up for batch-size buckets, and "
                              "on the CPU a float32 model's decode steps of up to 32 "
-                             "sequences run as one fused C call)")
+                             "sequences, and every step of a small one, run as one fused C "
+                             "call)")
     parser.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None,
                         metavar="N",
                         help="batch sizes to capture CUDA graphs for (default: 1 2 4 8 16 "

@@ -6,11 +6,15 @@ microseconds per op for math that takes less): the bundled model's forward is ~1
 dispatch for ~20 MFLOP. The fused step runs the same arithmetic (float32, the model's own RoPE
 table, the same paged KV cache) with no dispatch between the pieces — what CUDA graphs do for
 a GPU decode step. It takes every decode-only step of a model whose linear layers are dense
-float32 and whose KV cache is float32; anything else (prefill and mixed steps, quantized or
-half-precision weights, a quantized KV cache, ``torch.compile``) keeps the torch path.
-``enforce_eager`` turns it off (vLLM's flag for "run the model op by op"). Steps of more than
-:data:`MAX_FUSED_TOKENS` sequences also keep the torch path: its GEMMs (oneDNN/MKL) beat the
-fused step's register-tiled dot products there.
+float32 and whose KV cache is float32; quantized or half-precision weights, a quantized KV
+cache and ``torch.compile`` keep the torch path. A small model (linear weights of at most
+:data:`SMALL_MODEL_BYTES`, which stay in the CPU's caches) runs every step fused, prefill and
+mixed steps too: each new token becomes a row of its own whose sequence length is its position
++ 1 (it attends to itself and what precedes it), the same causal rule the varlen prefill path
+applies.
+``enforce_eager`` turns it off (vLLM's flag for "run the model op by op"). A larger model's
+prefill steps and decode steps of more than :data:`MAX_FUSED_TOKENS` sequences keep the torch
+path: its GEMMs (oneDNN/MKL) beat the fused step's register-tiled dot products there.
 """
 from __future__ import annotations
 
@@ -31,6 +35,8 @@ offline greedy decode, fused vs torch tokens/s): stories260k 3,570 vs 630 at 1 s
 14,100 vs 5,800 at 16, 16,800 vs 14,500 at 64; stories3m 700 vs 370 at 1, 3,000 vs 2,300 at
 16, about even at 64 and 3,100 vs 5,000 at 256; the 134M-shape Llama 84 vs 51 at 4, 133 vs
 119 at 16, 87 vs 130 at 64."""
+SMALL_MODEL_BYTES = 4 * 2**20
+"""Linear-weight bytes up to which a model runs every step fused (the bundled model: 0.9 MB)."""
 
 try:
     from nybble.kernels.cpu_decoder import CpuDecoder
@@ -58,10 +64,11 @@ class FusedCpuDecode:
     """
 
     def __init__(self, decoder: CpuDecoder, hidden_size: int,
-                 kv_caches: list[torch.Tensor]) -> None:
+                 kv_caches: list[torch.Tensor], every_step: bool) -> None:
         self.decoder = decoder
         self.hidden_size = hidden_size
         self.cache_ptrs = tuple(c.data_ptr() for c in kv_caches)
+        self.every_step = every_step
 
     @classmethod
     def build(cls, model: LlamaForCausalLM, kv_caches: list[torch.Tensor]
@@ -93,29 +100,42 @@ class FusedCpuDecode:
         decoder = CpuDecoder(_array(emb), _array(model.norm.weight),
                              _array(model.rotary_emb.cos_sin), layers, attn0.num_heads,
                              attn0.num_kv_heads, eps.pop(), attn0.scale)
-        return cls(decoder, model.config.hidden_size, kv_caches), "fused C decode step"
+        linear_bytes = sum(a.nbytes for ly in layers for a in ly[1:10] if a is not None)
+        every_step = linear_bytes <= SMALL_MODEL_BYTES
+        return (cls(decoder, model.config.hidden_size, kv_caches, every_step),
+                "fused C step (every step: a small model)" if every_step else
+                f"fused C decode step (up to {MAX_FUSED_TOKENS} sequences)")
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  kv_caches: list[torch.Tensor], meta: AttentionMetadata
                  ) -> torch.Tensor | None:
-        """Final hidden states ``[T, hidden]`` float32 of a decode-only step (K/V written),
-        or None when the step is not one it takes (prefill rows, more than
-        :data:`MAX_FUSED_TOKENS` sequences, or other caches than it was built for).
+        """Final hidden states ``[T, hidden]`` float32 of the step (K/V written), or None
+        when it is not one this model runs fused: other caches than it was built for, or, for
+        a model that is not small, prefill rows or more than :data:`MAX_FUSED_TOKENS`
+        sequences.
 
         Raises:
             ValueError: an index out of range (token id, position, slot, block id); nothing
                 was written.
         """
         tokens = input_ids.shape[0]
-        if not meta.is_decode_only or meta.block_tables.shape[0] != tokens \
-                or tokens > MAX_FUSED_TOKENS or len(kv_caches) != len(self.cache_ptrs) \
-                or kv_caches[0].data_ptr() != self.cache_ptrs[0]:
+        if len(kv_caches) != len(self.cache_ptrs) or kv_caches[0].data_ptr() != self.cache_ptrs[0]:
             return None
-        out = torch.empty(input_ids.shape[0], self.hidden_size, dtype=torch.float32)
-        self.decoder.forward(
-            _int64(input_ids), _int64(positions), _int64(meta.slot_mapping),
-            np.ascontiguousarray(meta.block_tables.numpy(), dtype=np.int32),
-            np.ascontiguousarray(meta.seq_lens.numpy(), dtype=np.int32), out.numpy())
+        tables = meta.block_tables.numpy()
+        if meta.is_decode_only and tables.shape[0] == tokens:
+            if tokens > MAX_FUSED_TOKENS and not self.every_step:
+                return None
+            seq_lens = meta.seq_lens.numpy()
+        elif self.every_step:   # one row per token: its sequence's blocks, position + 1 keys
+            rows = np.repeat(np.arange(tables.shape[0]), np.diff(meta.query_start_loc.numpy()))
+            tables = tables[rows]
+            seq_lens = positions.numpy() + 1
+        else:
+            return None
+        out = torch.empty(tokens, self.hidden_size, dtype=torch.float32)
+        self.decoder.forward(_int64(input_ids), _int64(positions), _int64(meta.slot_mapping),
+                             np.ascontiguousarray(tables, dtype=np.int32),
+                             np.ascontiguousarray(seq_lens, dtype=np.int32), out.numpy())
         return out
 
 

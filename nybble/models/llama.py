@@ -180,9 +180,9 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         """``input_ids, positions: [T]`` (int32 or int64) -> final hidden states
         ``[T, hidden]``; writes the step's K/V into ``kv_caches`` (see
-        :func:`nybble.models.layer_ops.run_step`; a decode-only step on the fused CPU path when
-        it is on)."""
-        if self.fused_decode is not None and meta.is_decode_only:
+        :func:`nybble.models.layer_ops.run_step`; or the fused CPU step when it is on and takes
+        this step)."""
+        if self.fused_decode is not None:
             hidden = self.fused_decode(input_ids, positions, kv_caches, meta)
             if hidden is not None:
                 return hidden

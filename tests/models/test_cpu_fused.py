@@ -49,13 +49,18 @@ def _slot(table: list[int], pos: int) -> int:
     return table[pos // BLOCK] * BLOCK + pos % BLOCK
 
 
-def _prefill(model, caches) -> None:
-    ids = torch.tensor([t for p in PROMPTS for t in p])
-    pos = torch.tensor([i for p in PROMPTS for i in range(len(p))])
-    slots = [_slot(TABLES[s], i) for s, p in enumerate(PROMPTS) for i in range(len(p))]
-    starts = list(np.cumsum([0] + [len(p) for p in PROMPTS]))
+def _prefill_args(first: int = 0) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """The prompts' tokens from position ``first`` on (earlier ones cached: a later chunk)."""
+    ids = torch.tensor([t for p in PROMPTS for t in p[first:]])
+    pos = torch.tensor([i for p in PROMPTS for i in range(first, len(p))])
+    slots = [_slot(TABLES[s], i) for s, p in enumerate(PROMPTS) for i in range(first, len(p))]
+    starts = list(np.cumsum([0] + [len(p) - first for p in PROMPTS]))
+    return ids, pos, _meta(slots, starts, [len(p) for p in PROMPTS], TABLES)
+
+
+def _prefill(model, caches, first: int = 0) -> torch.Tensor:
     with torch.no_grad():
-        model(ids, pos, caches, _meta(slots, starts, [len(p) for p in PROMPTS], TABLES))
+        return model(*_prefill_args(first)[:2], caches, _prefill_args(first)[2])
 
 
 def _decode_meta(tokens: int = 3) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -74,7 +79,7 @@ def test_fused_step_equals_the_torch_path(variant: str, tmp_path) -> None:
     torch_caches = [c.clone() for c in caches]
     with torch.no_grad():
         want = model(ids, pos, torch_caches, meta)   # not enabled yet: the torch path
-    assert model.enable_fused_cpu_decode(caches) == "fused C decode step"
+    assert model.enable_fused_cpu_decode(caches).startswith("fused C step")
     got = model(ids, pos, caches, meta)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     for c, tc in zip(caches, torch_caches):
@@ -86,9 +91,34 @@ def test_fused_step_equals_the_torch_path(variant: str, tmp_path) -> None:
     torch.testing.assert_close(torch.from_numpy(out), want, rtol=1e-5, atol=1e-5)
 
 
-def test_prefill_large_steps_and_other_caches_keep_the_torch_path(tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize("variant", ["llama-gqa", "qwen2"])
+def test_small_model_prefill_and_chunks_equal_the_torch_path(variant: str, tmp_path) -> None:
+    """A small model runs prefill fused too (a row per token, causal by its position): a
+    first chunk of each prompt, then the rest, equal the torch path's hidden states and
+    KV-cache writes."""
+    model, caches = _setup(make_tiny_model(variant, str(tmp_path)))
+    torch_caches = [c.clone() for c in caches]
+    assert model.enable_fused_cpu_decode(caches).startswith("fused C step (every step")
+    fused = model.fused_decode
+    chunk = 1  # PROMPTS' shortest is 2 tokens: every prompt has a first chunk and a rest
+    first = torch.tensor([p[0] for p in PROMPTS]), torch.tensor([0] * 3), _meta(
+        [_slot(t, 0) for t in TABLES], [0, 1, 2, 3], [chunk] * 3, TABLES)
+    for step_args, caches_now in ((first, caches), (_prefill_args(chunk), caches)):
+        got = model(*step_args[:2], caches_now, step_args[2])
+        model.fused_decode = None
+        with torch.no_grad():
+            want = model(*step_args[:2], torch_caches, step_args[2])
+        model.fused_decode = fused
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        for c, tc in zip(caches, torch_caches):
+            torch.testing.assert_close(c, tc, rtol=1e-6, atol=1e-6)
+
+
+def test_large_steps_prefill_of_a_larger_model_and_other_caches_keep_the_torch_path(
+        tmp_path, monkeypatch) -> None:
     model, caches = _setup(make_tiny_model("llama-gqa", str(tmp_path)))
-    model.enable_fused_cpu_decode(caches)
+    monkeypatch.setattr("nybble.models.cpu_fused.SMALL_MODEL_BYTES", 0)  # not a small model
+    assert model.enable_fused_cpu_decode(caches).startswith("fused C decode step")
     ids, pos, meta = _decode_meta()
     prefill = _meta([0, 1], [0, 2], [2], [[0, 0, 0, 0]])
     assert model.fused_decode(ids[:2], pos[:2], caches, prefill) is None
