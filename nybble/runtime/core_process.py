@@ -33,7 +33,12 @@ from typing import TYPE_CHECKING
 import zmq
 
 from nybble.config import has_tokenizer_file
-from nybble.errors import EngineStepError, InvalidRequestError, NybbleError
+from nybble.errors import (
+    EngineStepError,
+    InvalidRequestError,
+    NybbleError,
+    WorkerFailedError,
+)
 from nybble.runtime.messages import (
     Codec,
     CoreInputs,
@@ -180,6 +185,8 @@ class CoreProc:
             logger.error("engine step failed (%d in a row): %s; failed its %d request(s)",
                          self._failures, cause, len(e.request_ids), exc_info=e.__cause__)
             self.send(RequestsFailed(e.request_ids, f"the engine step failed: {cause}"))
+            if isinstance(e.__cause__, WorkerFailedError):   # NOTE: cannot step again
+                return self._give_up(cause)
             if self._failures >= MAX_CONSECUTIVE_STEP_FAILURES:
                 return self._give_up(f"{self._failures} engine steps failed in a row; "
                                      f"last: {cause}")
