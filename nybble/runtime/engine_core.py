@@ -339,6 +339,10 @@ class EngineCore:
                                           f"({type(e).__name__}: {e})")
             raise EngineStepError(failed, f"{type(cause).__name__}: {cause}") from cause
 
+    def dead_workers(self) -> list[str]:
+        """One line per tensor-parallel worker that is gone (empty: all alive, or none)."""
+        return [] if self.executor is None else self.executor.dead_workers()
+
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (idempotent; also at interpreter
         exit)."""

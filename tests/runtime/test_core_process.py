@@ -39,6 +39,7 @@ class ScriptedCore:
         self.requests: list[str] = []
         self.log: list[tuple[str, object]] = []
         self.fail_steps = fail_steps
+        self.dead: list[str] = []     # tensor-parallel workers that are gone
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.log.append(("add", request.request_id))
@@ -69,6 +70,9 @@ class ScriptedCore:
 
     def get_stats(self) -> EngineStats:
         return STATS
+
+    def dead_workers(self) -> list[str]:
+        return list(self.dead)
 
 
 def _request(rid: str) -> EngineCoreRequest:
@@ -232,3 +236,13 @@ def test_a_dead_tensor_parallel_worker_ends_the_core_at_once(sockets) -> None:
     assert out == [RequestsFailed(["a"], f"the engine step failed: {why}"),
                    RequestsFailed(["b"], f"the engine can no longer step: {why}"),
                    EngineCoreFatal(why)]
+
+
+def test_a_worker_found_dead_while_idle_ends_the_core(sockets, monkeypatch) -> None:
+    monkeypatch.setattr("nybble.runtime.core_process.PARENT_CHECK_S", 0.0)
+    core = ScriptedCore()
+    core.dead = ["rank 1 (pid 7) exited with code -9"]
+    code, out = _run(core, sockets, [])
+    assert code == 1
+    assert out == [EngineCoreFatal("WorkerFailedError: tensor-parallel worker failed: "
+                                   "rank 1 (pid 7) exited with code -9")]
