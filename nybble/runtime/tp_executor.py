@@ -67,6 +67,36 @@ class Executor:
         if dead:
             raise WorkerFailedError(f"tensor-parallel worker failed: {'; '.join(dead)}")
 
+    def _join(self, config: EngineConfig, init_method: str) -> None:
+        """Join the group as rank 0 (sets :attr:`tp`), watching the workers meanwhile.
+
+        Raises:
+            WorkerFailedError: a worker died first, or the rendezvous timed out (the
+                workers are stopped then).
+        """
+        joined: list[TPGroup | BaseException] = []
+
+        def join() -> None:
+            try:
+                joined.append(init_tp_group(0, config.parallel_config.tensor_parallel_size,
+                                            init_method, rank_device(config, 0),
+                                            config.parallel_config.distributed_timeout_s))
+            except BaseException as e:  # noqa: BLE001 -- handed to the main thread
+                joined.append(e)
+        thread = threading.Thread(target=join, name="nybble-tp-rendezvous", daemon=True)
+        thread.start()
+        while thread.is_alive() and not self.dead_workers():
+            thread.join(0.1)    # NOTE: a worker that dies early fails the start-up at once
+        if not joined or not isinstance(joined[0], TPGroup):
+            self._closed = True
+            atexit.unregister(self.shutdown)
+            dead = self.dead_workers()
+            self._stop_workers()
+            cause = joined[0] if joined else None
+            raise WorkerFailedError(f"tensor-parallel start-up failed: "
+                                    f"{'; '.join(dead) or cause}") from cause
+        self.tp = joined[0]
+
     def setup(self, num_blocks: int) -> None:
         """Tell the workers the KV pool's block count; returns once every worker has loaded
         its shard and allocated its KV cache (an all-reduce of one flag).
@@ -132,27 +162,7 @@ class MPExecutor(Executor):
         self.procs: list[subprocess.Popen] = []
         for r in range(1, n):
             self.procs.append(subprocess.Popen([*args, "--rank", str(r)]))
-        joined: list[TPGroup | BaseException] = []
-
-        def join() -> None:
-            try:
-                joined.append(init_tp_group(0, n, init_method, rank_device(config, 0),
-                                            config.parallel_config.distributed_timeout_s))
-            except BaseException as e:  # noqa: BLE001 -- handed to the main thread
-                joined.append(e)
-        thread = threading.Thread(target=join, name="nybble-tp-rendezvous", daemon=True)
-        thread.start()
-        while thread.is_alive() and not self.dead_workers():
-            thread.join(0.1)    # NOTE: a worker that dies early fails the start-up at once
-        if not joined or not isinstance(joined[0], TPGroup):
-            self._closed = True
-            atexit.unregister(self.shutdown)
-            dead = self.dead_workers()
-            self._stop_workers()
-            cause = joined[0] if joined else None
-            raise WorkerFailedError(f"tensor-parallel start-up failed: "
-                                    f"{'; '.join(dead) or cause}") from cause
-        self.tp = joined[0]
+        self._join(config, init_method)
         logger.info("tensor parallelism: %d ranks (mp executor, workers %s)", n,
                     [p.pid for p in self.procs])
 

@@ -27,16 +27,23 @@ from nybble.runtime.tp_step import unpack_step
 logger = logging.getLogger(__name__)
 
 
-def rank_device(config: EngineConfig, rank: int) -> torch.device:
-    """Rank ``rank``'s device: ``cuda:<rank>`` on CUDA, else the CPU.
+def wants_cuda(config: EngineConfig) -> bool:
+    """Whether the model runs on CUDA (``device`` cuda, or auto with a GPU visible)."""
+    name = config.model_config.device
+    return name == "cuda" or (name == "auto" and torch.cuda.is_available())
+
+
+def rank_device(config: EngineConfig, rank: int, gpu: int | None = None) -> torch.device:
+    """Rank ``rank``'s device: ``cuda:<gpu>`` (default ``cuda:<rank>``: one machine) on
+    CUDA, else the CPU.
 
     Raises:
         ValueError: CUDA asked for, but fewer GPUs than ``tensor_parallel_size``.
     """
-    name = config.model_config.device
-    cuda = name == "cuda" or (name == "auto" and torch.cuda.is_available())
-    if not cuda:
+    if not wants_cuda(config):
         return torch.device("cpu")
+    if gpu is not None:     # a Ray actor sees only its own GPU
+        return torch.device("cuda", gpu)
     n = config.parallel_config.tensor_parallel_size
     if torch.cuda.device_count() < n:
         raise ValueError(f"tensor_parallel_size must be <= the {torch.cuda.device_count()} "
@@ -87,13 +94,15 @@ class TPWorker:
 
 
 def run_worker(config: EngineConfig, rank: int, init_method: str,
-               keep_waiting: Callable[[], bool]) -> None:
-    """A worker's whole life: join the group, load, serve commands, leave."""
+               keep_waiting: Callable[[], bool], gpu: int | None = None) -> None:
+    """A worker's whole life: join the group, load, serve commands, leave (``gpu``: see
+    :func:`rank_device`)."""
     from nybble.runtime.torch_threads import setup_threads
 
     setup_threads(config.threads)
     tp = init_tp_group(rank, config.parallel_config.tensor_parallel_size, init_method,
-                       rank_device(config, rank), config.parallel_config.distributed_timeout_s)
+                       rank_device(config, rank, gpu),
+                       config.parallel_config.distributed_timeout_s)
     try:
         TPWorker(config, tp).run(keep_waiting)
     finally:
