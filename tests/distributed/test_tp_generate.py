@@ -61,3 +61,30 @@ def test_random_qwen2_tp2_greedy_equals_tp1(tmp_path):
 def test_gptq_act_order_tp2_greedy_equals_tp1():
     # decode steps of <= 16 tokens take the bfloat16 CPU kernels on each shard
     _same(shared_path("fixtures", "quant", "tiny-llama-gptq-4bit-g32-actorder"))
+
+
+def _scored(tp: int) -> list:
+    llm = LLM(model=DEFAULT_MODEL, tensor_parallel_size=tp, threads=1)
+    params = SamplingParams(n=2, temperature=0.8, seed=7, max_tokens=12, logprobs=3,
+                            prompt_logprobs=2)
+    try:
+        return llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
+@pytest.mark.slow
+def test_tp2_sampling_logprobs_and_prompt_logprobs_match_tp1():
+    # n=2 forks the prompt's blocks (copy-on-write on every rank); prompt logprobs and
+    # sampled logprobs ask rank 0's logits more than once per step
+    one, two = _scored(1), _scored(2)
+    for a, b in zip(one, two, strict=True):
+        for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:], strict=True):
+            assert x.keys() == y.keys()
+            assert all(abs(x[t] - y[t]) < 1e-4 for t in x)
+        assert len(a.prompt_logprobs) > 3 and len(a.outputs) == 2
+        for ca, cb in zip(a.outputs, b.outputs, strict=True):
+            assert ca.token_ids == cb.token_ids and len(ca.logprobs) == 12
+            for x, y in zip(ca.logprobs, cb.logprobs, strict=True):
+                assert x.keys() == y.keys()
+                assert all(abs(x[t] - y[t]) < 1e-4 for t in x)
