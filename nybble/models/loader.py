@@ -137,7 +137,16 @@ def load_model(cfg: ModelConfig, backend: AttentionBackend, device: torch.device
     factory = quant.linear_factory if quant is not None else dense_linear_factory
     shape = ModelShape.from_hf_config(hf_config)
     layout = TPLayout.of(shape, int(hf_config.intermediate_size), tp or single_rank())
-    model = LlamaForCausalLM(hf_config, factory, backend, max_len, dtype, device, bias, layout)
+    try:
+        model = LlamaForCausalLM(hf_config, factory, backend, max_len, dtype, device, bias,
+                                 layout)
+    except UnsupportedModelError as e:
+        if not layout.sharded:
+            raise
+        n = layout.tp.world_size
+        raise UnsupportedModelError(
+            f"{e} (under tensor_parallel_size {n} each rank holds 1/{n} of the heads and of "
+            f"intermediate_size; a tensor_parallel_size whose shares fit is allowed)") from e
     _load_weights(model, model_weight_files(cfg.model), dtype)
     model.eval()
     linear_bytes = sum(_module_bytes(m) for n, m in model.named_modules()

@@ -3,6 +3,8 @@ the refused combinations; a rank's shard as loaded (no collectives needed to loa
 from __future__ import annotations
 
 import argparse
+import json
+import os
 
 import pytest
 import torch
@@ -10,8 +12,10 @@ import torch
 from nybble.config import EngineConfig, ModelConfig, ParallelConfig
 from nybble.distributed.comm import TPGroup
 from nybble.engine_args import add_engine_args, engine_config_from_args
+from nybble.errors import UnsupportedModelError
 from nybble.kernels import get_attention_backend
 from nybble.models.loader import load_model
+from tests.conftest import shared_path
 
 
 def test_flags_reach_the_parallel_config():
@@ -63,3 +67,22 @@ def test_each_rank_loads_its_slices_of_the_bundled_model():
         assert torch.equal(m.embed_tokens.weight, full.embed_tokens.weight[r * 256:
                                                                            (r + 1) * 256])
         assert torch.equal(layer.input_layernorm.weight, f0.input_layernorm.weight)
+
+
+def test_a_group_split_by_the_ranks_is_refused_naming_the_layer(tmp_path):
+    # the g32 GPTQ fixture, its config claiming 128-wide groups: at TP 4 an o_proj shard has
+    # 32 input features, less than one group
+    src = shared_path("fixtures", "quant", "tiny-llama-gptq-4bit-g32")
+    for name in os.listdir(src):
+        if name != "config.json" and name != "quantize_config.json":
+            os.symlink(os.path.join(src, name), tmp_path / name)
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"]["group_size"] = 128
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    cpu = torch.device("cpu")
+    with pytest.raises(UnsupportedModelError,
+                       match=r"o_proj must be a multiple of group_size 128 .* got 32 "
+                             r"\(under tensor_parallel_size 4"):
+        load_model(ModelConfig(model=str(tmp_path)), get_attention_backend("torch", cpu), cpu,
+                   TPGroup(0, 4))
