@@ -1,7 +1,7 @@
 """One frozen configuration object that flows down from the CLI / ``LLM(...)`` kwargs.
 
 ``EngineConfig`` composes :class:`ModelConfig`, :class:`CacheConfig`,
-:class:`SchedulerConfig` and :class:`CompilationConfig`. Every field is validated at construction with a message that
+:class:`SchedulerConfig`, :class:`CompilationConfig` and :class:`ParallelConfig`. Every field is validated at construction with a message that
 names the value received and the allowed range. Nothing mutates a config after it is built;
 values derived at start-up live elsewhere: the number of KV blocks in
 ``nybble.runtime.kv_cache.KVCacheSpec``, the EOS ids and the model's dimensions
@@ -395,12 +395,45 @@ def _file_bytes(path: str) -> bytes | None:
         return None
 
 
+DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
+"""Allowed ``distributed_executor_backend`` values (vLLM's names)."""
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism (vLLM's flag names; docs/distributed.md).
+
+    Attributes:
+        tensor_parallel_size: ranks the model is split over (Megatron-style: heads and MLP
+            columns/rows, vocabulary); 1: no split.
+        distributed_executor_backend: ``mp`` (worker processes nybble starts on this
+            machine) or ``ray`` (Ray actors placed by a placement group; ``RAY_ADDRESS``
+            names an existing cluster, else a local one is started).
+        distributed_timeout_s: seconds a collective (or the start-up rendezvous) waits for
+            the other ranks before it raises (seconds; no hang when a worker dies).
+    """
+
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"
+    distributed_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        _check(self.tensor_parallel_size >= 1, "tensor_parallel_size", ">= 1",
+               self.tensor_parallel_size)
+        _check(self.distributed_executor_backend in DISTRIBUTED_EXECUTOR_BACKENDS,
+               "distributed_executor_backend", f"one of {DISTRIBUTED_EXECUTOR_BACKENDS}",
+               self.distributed_executor_backend)
+        _check(self.distributed_timeout_s > 0, "distributed_timeout_s", "> 0 seconds",
+               self.distributed_timeout_s)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs, built once (``EngineConfig.from_kwargs``).
 
     Attributes:
-        model_config, cache_config, scheduler_config, compilation_config: the parts.
+        model_config, cache_config, scheduler_config, compilation_config,
+            parallel_config: the parts.
         attention_backend: ``auto`` (Triton on CUDA, ``cpu`` on the CPU), ``cpu`` (the Cython
             paged decode kernel, torch for prefill), ``torch`` (the pure-torch reference) or
             ``triton``.
@@ -419,11 +452,20 @@ class EngineConfig:
     disable_log_stats: bool = False
     threads: int | None = None
     speculative_config: SpeculativeConfig | None = None
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
         _check(self.attention_backend in _ATTN_BACKENDS, "attention_backend",
                f"one of {_ATTN_BACKENDS}", self.attention_backend)
         _check(self.threads is None or self.threads >= 1, "threads", ">= 1", self.threads)
+        if self.parallel_config.tensor_parallel_size > 1:
+            # NOTE: these run the model outside the step that the workers follow
+            for name, value, allowed in (
+                    ("speculative_config", self.speculative_config, None),
+                    ("kv_cache_dtype", self.cache_config.kv_cache_dtype, "auto"),
+                    ("compilation_level", self.compilation_config.compilation_level, 0)):
+                _check(value == allowed, f"{name} with tensor_parallel_size > 1", repr(allowed),
+                       value)
 
     @classmethod
     def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> EngineConfig:
@@ -435,7 +477,7 @@ class EngineConfig:
         """
         parts: dict[type, dict[str, Any]] = {ModelConfig: {}, CacheConfig: {},
                                              SchedulerConfig: {}, CompilationConfig: {},
-                                             cls: {}}
+                                             ParallelConfig: {}, cls: {}}
         if model is not None:
             parts[ModelConfig]["model"] = model
         for key, value in kwargs.items():
@@ -452,4 +494,5 @@ class EngineConfig:
                    cache_config=CacheConfig(**parts[CacheConfig]),
                    scheduler_config=SchedulerConfig(**parts[SchedulerConfig]),
                    compilation_config=CompilationConfig(**parts[CompilationConfig]),
+                   parallel_config=ParallelConfig(**parts[ParallelConfig]),
                    **parts[cls])

@@ -3,7 +3,12 @@ from __future__ import annotations
 
 import argparse
 
-from nybble.config import DEFAULT_MODEL, KV_CACHE_DTYPES, EngineConfig
+from nybble.config import (
+    DEFAULT_MODEL,
+    DISTRIBUTED_EXECUTOR_BACKENDS,
+    KV_CACHE_DTYPES,
+    EngineConfig,
+)
 from nybble.threads import add_threads_arg
 
 
@@ -98,6 +103,14 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
                              '"num_speculative_tokens": 3, "prompt_lookup_max": 4, '
                              '"prompt_lookup_min": 1} or {"model": "<draft folder>", '
                              '"num_speculative_tokens": 3} (default: off)')
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                        help="split the model over this many ranks (Megatron-style tensor "
+                             "parallelism; one GPU each on CUDA, gloo processes on CPU)")
+    parser.add_argument("--distributed-executor-backend", default="mp",
+                        choices=list(DISTRIBUTED_EXECUTOR_BACKENDS),
+                        help="how the ranks 1..N-1 run: mp (worker processes on this "
+                             "machine) or ray (Ray actors; RAY_ADDRESS names a cluster, else "
+                             "a local one is started)")
     parser.add_argument("--disable-log-stats", action="store_true",
                         help="do not log the periodic stats line")
     add_threads_arg(parser)
@@ -120,5 +133,7 @@ def engine_config_from_args(args: argparse.Namespace,
         threads=args.threads, compilation_level=args.compilation_level,
         enforce_eager=args.enforce_eager,
         speculative_config=getattr(args, "speculative_config", None),
+        tensor_parallel_size=args.tensor_parallel_size,
+        distributed_executor_backend=args.distributed_executor_backend,
         cuda_graph_sizes=None if args.cuda_graph_sizes is None else
         tuple(args.cuda_graph_sizes))

@@ -50,3 +50,8 @@ class EngineStepError(NybbleError):
     def __init__(self, request_ids: list[str], message: str) -> None:
         super().__init__(message)
         self.request_ids = request_ids
+
+
+class WorkerFailedError(NybbleError, RuntimeError):
+    """A tensor-parallel worker (rank 1..N-1) died or stopped answering: the engine cannot
+    step again (the engine-core process reports itself dead, ``/health`` answers 503)."""

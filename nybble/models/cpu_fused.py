@@ -76,6 +76,8 @@ class FusedCpuDecode:
         """The fused step for ``model`` over ``kv_caches``, or ``(None, reason)``."""
         if CpuDecoder is None:
             return None, "the compiled nybble.kernels.cpu_decoder extension is missing"
+        if model.layout.sharded:
+            return None, "tensor-parallel shards (the fused step has no collectives)"
         emb = model.embed_tokens.weight
         if emb.device.type != "cpu" or emb.dtype != torch.float32:
             return None, f"weights must be float32 on the CPU, got {emb.dtype} on {emb.device}"

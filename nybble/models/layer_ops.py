@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
+from nybble.distributed.comm import TPGroup
 from nybble.kernels.interface import AttentionMetadata
 from nybble.models.layers import RotaryEmbedding, silu_and_mul
 from nybble.models.linear import as_function
@@ -61,17 +61,29 @@ class LayerOps:
     def of(cls, layer: LlamaDecoderLayer) -> LayerOps:
         """The ops of ``layer`` (bound to its current weights)."""
         attn, mlp = layer.self_attn, layer.mlp
+        o_proj, down = as_function(attn.o_proj), as_function(mlp.down_proj)
+        tp = getattr(layer, "tp", None)
+        if tp is not None and tp.world_size > 1:   # row-parallel: sum the ranks' partials
+            o_proj, down = _all_reduced(o_proj, tp), _all_reduced(down, tp)
         return cls(as_function(layer.input_layernorm), as_function(attn.qkv_proj),
-                   as_function(attn.o_proj), as_function(layer.post_attention_layernorm),
-                   as_function(mlp.gate_up_proj), as_function(mlp.down_proj), attn.attend,
+                   o_proj, as_function(layer.post_attention_layernorm),
+                   as_function(mlp.gate_up_proj), down, attn.attend,
                    attn.rope, attn.num_heads, attn.num_kv_heads, attn.head_dim)
+
+
+def _all_reduced(fn: Fn, tp: TPGroup) -> Fn:
+    """``fn`` followed by an all-reduce over ``tp`` (a row-parallel projection)."""
+    def run(x: torch.Tensor) -> torch.Tensor:
+        return tp.all_reduce(fn(x))
+    return run
 
 
 @dataclass(frozen=True, slots=True)
 class ModelOps:
-    """The whole decoder as :class:`LayerOps` plus the embedding and the final norm."""
+    """The whole decoder as :class:`LayerOps` plus the embedding lookup (``ids [T] ->
+    [T, hidden]``; vocabulary-parallel under tensor parallelism) and the final norm."""
 
-    embed_weight: torch.Tensor
+    embed: Callable[[torch.Tensor], torch.Tensor]
     rope: RotaryEmbedding
     layers: tuple[LayerOps, ...]
     final_norm: Fn
@@ -101,7 +113,7 @@ def first_segment(model: ModelOps, input_ids: torch.Tensor, positions: torch.Ten
                   ) -> tuple[torch.Tensor, ...]:
     """Embedding, the step's rotary rows (gathered once for every layer) and layer 0 up to
     attention: ``(h, cos, sin, q, k, v)``."""
-    h = nn.functional.embedding(input_ids, model.embed_weight)
+    h = model.embed(input_ids)
     cos, sin = model.rope.lookup(positions, h.dtype)
     return (h, cos, sin, *pre_attention(model.layers[0], h, cos, sin))
 

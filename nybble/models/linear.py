@@ -7,6 +7,8 @@ compressed-tensors), so loading a fused projection (qkv, gate_up) is: collect ea
 tensors, concatenate each name along ``output_dims[name]`` (the output-feature axis of that
 tensor), and hand the result to :meth:`load_tensors`. Names whose ``output_dims`` entry is
 ``None`` are shared by all shards (for example ``g_idx``) and must be equal across them.
+``input_dims`` (``None``: not split along the input) and ``group_tensors`` say how a
+row-parallel rank slices each tensor (:mod:`nybble.models.tp_shard`).
 """
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ class DenseLinear(nn.Module):
     """``y = x @ W^T + b`` with ``W: [out, in]`` in the model dtype (no quantization)."""
 
     output_dims: ClassVar[dict[str, int | None]] = {"weight": 0, "bias": 0}
+    input_dims: ClassVar[dict[str, int | None]] = {"weight": 1, "bias": None}
 
     def __init__(self, in_features: int, out_features: int, bias: bool,
                  dtype: torch.dtype, device: torch.device) -> None:

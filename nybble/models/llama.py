@@ -8,9 +8,14 @@ Architecture: Touvron et al. 2023 (Llama 2); GQA (Ainslie et al. 2023); Qwen2 ad
 """
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
+from nybble.distributed import channel
+from nybble.distributed.comm import single_rank
 from nybble.kernels.interface import AttentionBackend, AttentionMetadata
 from nybble.models.cpu_fused import FusedCpuDecode
 from nybble.models.hf_config import HFConfig
@@ -26,6 +31,7 @@ from nybble.models.layer_ops import (
 from nybble.models.layers import RMSNorm, RotaryEmbedding
 from nybble.models.linear import LinearFactory, as_function, build_linear
 from nybble.models.shape import ModelShape
+from nybble.models.tp_layout import TPLayout
 
 
 class LlamaAttention(nn.Module):
@@ -34,12 +40,12 @@ class LlamaAttention(nn.Module):
 
     def __init__(self, shape: ModelShape, prefix: str, linear: LinearFactory,
                  rope: RotaryEmbedding, backend: AttentionBackend, bias: tuple[bool, bool],
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, layout: TPLayout) -> None:
         super().__init__()
         hidden = shape.hidden_size
         qkv_bias, o_bias = bias
-        self.num_heads = shape.num_heads
-        self.num_kv_heads = shape.num_kv_heads
+        self.num_heads = layout.num_heads          # this rank's heads (all of them at TP 1)
+        self.num_kv_heads = layout.num_kv_heads
         self.head_dim = shape.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -50,6 +56,9 @@ class LlamaAttention(nn.Module):
                                      dtype, device)
         self.o_proj = build_linear(linear, [f"{prefix}.o_proj"], self.q_size, [hidden], o_bias,
                                    dtype, device)
+        if layout.sharded:
+            self.qkv_proj.tp_slices = [layout.q, layout.kv, layout.kv]
+            self.o_proj.tp_slices = [layout.o_in]
         self.rope = rope
         self.backend = backend
         # [2, Hkv] float32 per-head K/V scales of a quantized KV cache (set by
@@ -70,9 +79,9 @@ class LlamaMLP(nn.Module):
     :func:`nybble.models.layer_ops.post_attention`)."""
 
     def __init__(self, config: HFConfig, prefix: str, linear: LinearFactory,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, layout: TPLayout) -> None:
         super().__init__()
-        hidden, inter = config.hidden_size, config.intermediate_size
+        hidden, inter = config.hidden_size, layout.inter.length
         bias = bool(getattr(config, "mlp_bias", False))
         act = getattr(config, "hidden_act", "silu")
         if act != "silu":
@@ -83,6 +92,9 @@ class LlamaMLP(nn.Module):
                                          hidden, [inter, inter], bias, dtype, device)
         self.down_proj = build_linear(linear, [f"{prefix}.down_proj"], inter, [hidden], bias,
                                       dtype, device)
+        if layout.sharded:
+            self.gate_up_proj.tp_slices = [layout.inter, layout.inter]
+            self.down_proj.tp_slices = [layout.down_in]
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -90,15 +102,17 @@ class LlamaDecoderLayer(nn.Module):
 
     def __init__(self, config: HFConfig, shape: ModelShape, index: int,
                  linear: LinearFactory, rope: RotaryEmbedding, backend: AttentionBackend,
-                 bias: tuple[bool, bool], dtype: torch.dtype, device: torch.device) -> None:
+                 bias: tuple[bool, bool], dtype: torch.dtype, device: torch.device,
+                 layout: TPLayout) -> None:
         super().__init__()
         prefix = f"model.layers.{index}"
+        self.tp = layout.tp     # o_proj and down_proj outputs are all-reduced over it
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
         self.self_attn = LlamaAttention(shape, f"{prefix}.self_attn", linear, rope, backend,
-                                        bias, dtype, device)
+                                        bias, dtype, device, layout)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
-        self.mlp = LlamaMLP(config, f"{prefix}.mlp", linear, dtype, device)
+        self.mlp = LlamaMLP(config, f"{prefix}.mlp", linear, dtype, device, layout)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -119,27 +133,36 @@ class LlamaForCausalLM(nn.Module):
         max_positions: rows of the RoPE table (the engine's ``max_model_len``).
         bias: whether (q/k/v, o) projections carry a bias: Llama/Mistral follow
             ``attention_bias``; Qwen2 has (True, False).
+        layout: this rank's share under tensor parallelism (:class:`TPLayout`; default:
+            one rank, the whole model).
+
+    Raises:
+        UnsupportedModelError: heads or widths that do not split over the ranks.
     """
 
     def __init__(self, config: HFConfig, linear: LinearFactory,
                  backend: AttentionBackend, max_positions: int, dtype: torch.dtype,
-                 device: torch.device, bias: tuple[bool, bool] = (False, False)) -> None:
+                 device: torch.device, bias: tuple[bool, bool] = (False, False),
+                 layout: TPLayout | None = None) -> None:
         super().__init__()
         self.config = config
         self.attention_backend = backend
         self.shape = ModelShape.from_hf_config(config)
+        self.layout = layout = layout or TPLayout.of(self.shape, config.intermediate_size,
+                                                     single_rank())
+        rows = layout.vocab_rows
         self.rotary_emb = rope = RotaryEmbedding(config, self.shape.head_dim, max_positions,
                                                  device)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype,
-                                         device=device)
+        self.embed_tokens = nn.Embedding(rows, config.hidden_size, dtype=dtype, device=device)
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, self.shape, i, linear, rope, backend, bias, dtype, device)
+            LlamaDecoderLayer(config, self.shape, i, linear, rope, backend, bias, dtype, device,
+                              layout)
             for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = None if self.tie_word_embeddings else nn.Parameter(
-            torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device),
+            torch.empty(rows, config.hidden_size, dtype=dtype, device=device),
             requires_grad=False)
         self.segments: Segments = EAGER_SEGMENTS
         self._ops: ModelOps | None = None
@@ -152,7 +175,8 @@ class LlamaForCausalLM(nn.Module):
         NOTE: the ops hold the parameter tensors; ``.to()``/``.half()`` (``_apply``) drop
         them, and so must any code that assigns new parameter tensors to a submodule."""
         if self._ops is None:
-            self._ops = ModelOps(self.embed_tokens.weight, self.rotary_emb,
+            self._ops = ModelOps(vocab_embedding(self.embed_tokens.weight, self.layout),
+                                 self.rotary_emb,
                                  tuple(LayerOps.of(layer) for layer in self.layers),
                                  as_function(self.norm))
         return self._ops
@@ -189,6 +213,45 @@ class LlamaForCausalLM(nn.Module):
         return run_step(self.ops(), self.segments, input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden: [S, hidden]`` -> logits ``[S, vocab]`` (tied to the embeddings if so)."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head
-        return nn.functional.linear(hidden, weight)
+        """``hidden: [S, hidden]`` -> logits ``[S, vocab]`` (tied to the embeddings if so).
+
+        Under tensor parallelism (on rank 0) it first sends the rows to the other ranks
+        (:data:`~nybble.distributed.channel.Kind.LOGITS`), each computes its vocabulary
+        rows, and rank 0 gathers them."""
+        if not self.layout.sharded:
+            return nn.functional.linear(hidden, self._head_weight())
+        channel.send(self.layout.tp, channel.Kind.LOGITS, tuple(hidden.shape), hidden)
+        logits = self._logits_part(hidden)
+        assert logits is not None
+        vocab = self.shape.vocab_size
+        return logits if logits.shape[-1] == vocab else logits[:, :vocab].contiguous()
+
+    def worker_logits(self, hidden: torch.Tensor) -> None:
+        """On ranks 1..N-1: this rank's part of :meth:`compute_logits` for rank 0's
+        ``hidden [S, hidden]`` rows (received from the command channel)."""
+        self._logits_part(hidden)
+
+    def _head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head
+
+    def _logits_part(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """This rank's logits ``[S, vocab_rows]``, gathered to ``[S, N * vocab_rows]`` on
+        rank 0 (``None`` elsewhere)."""
+        return self.layout.tp.gather_last_dim(nn.functional.linear(hidden, self._head_weight()))
+
+
+def vocab_embedding(weight: torch.Tensor, layout: TPLayout
+                    ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The embedding lookup ``ids [T] -> [T, hidden]`` over this rank's rows ``weight
+    [vocab_rows, hidden]``: ids of other ranks give zero rows and the all-reduce sums the
+    ranks' lookups (vocabulary-parallel embedding, Megatron-LM)."""
+    if not layout.sharded:
+        return functools.partial(nn.functional.embedding, weight=weight)
+    start, rows, tp = layout.vocab_start, layout.vocab_rows, layout.tp
+
+    def embed(ids: torch.Tensor) -> torch.Tensor:
+        local = ids.to(torch.int64) - start
+        outside = (local < 0) | (local >= rows)
+        h = nn.functional.embedding(local.masked_fill(outside, 0), weight)
+        return tp.all_reduce(h.masked_fill_(outside.unsqueeze(-1), 0))
+    return embed

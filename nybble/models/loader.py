@@ -8,6 +8,7 @@ Pickle checkpoints (``*.bin``, ``*.pt``) are refused: they can run arbitrary cod
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -18,6 +19,7 @@ import torch
 from safetensors import safe_open
 
 from nybble.config import ModelConfig, check_model_dir, model_weight_files
+from nybble.distributed.comm import TPGroup, single_rank
 from nybble.errors import UnsupportedModelError
 from nybble.kernels.interface import AttentionBackend
 from nybble.models.hf_config import HFConfig, load_hf_config
@@ -25,6 +27,8 @@ from nybble.models.linear import dense_linear_factory
 from nybble.models.llama import LlamaForCausalLM
 from nybble.models.registry import projection_bias
 from nybble.models.shape import ModelShape
+from nybble.models.tp_layout import TPLayout
+from nybble.models.tp_shard import G_IDX_NAMES, is_act_order, read_shard, read_vocab_rows
 from nybble.quant.config import load_quant_config
 
 logger = logging.getLogger(__name__)
@@ -57,6 +61,15 @@ class LoadedModel:
     quant_description: str
     weight_bytes: int
     linear_weight_bytes: int
+
+    @property
+    def shard_shape(self) -> ModelShape:
+        """The dimensions of this rank's shard: ``shape`` with this rank's query and KV
+        heads (tensor parallelism; ``shape`` itself on one rank). The KV cache is sized by
+        it."""
+        layout = self.model.layout
+        return dataclasses.replace(self.shape, num_heads=layout.num_heads,
+                                   num_kv_heads=layout.num_kv_heads)
 
 
 def resolve_dtype(name: str, hf_config: HFConfig, device: torch.device) -> torch.dtype:
@@ -96,12 +109,15 @@ def _module_bytes(module: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def load_model(cfg: ModelConfig, backend: AttentionBackend, device: torch.device) -> LoadedModel:
-    """Build the model for ``cfg.model`` and load its weights.
+def load_model(cfg: ModelConfig, backend: AttentionBackend, device: torch.device,
+               tp: TPGroup | None = None) -> LoadedModel:
+    """Build the model for ``cfg.model`` and load its weights (under tensor parallelism
+    ``tp``: this rank's shard, read as slices of the checkpoint tensors).
 
     Raises:
         UnsupportedModelError: unknown architecture, pickle-only weights, unsupported
-            quantization, or a checkpoint tensor whose shape does not fit.
+            quantization, a checkpoint tensor whose shape does not fit, or a layer that
+            cannot be split over ``tp`` (the message names the layer and sizes).
         ValueError: ``max_model_len`` larger than the model's position limit.
     """
     check_model_dir(cfg.model)
@@ -119,7 +135,18 @@ def load_model(cfg: ModelConfig, backend: AttentionBackend, device: torch.device
         raise ValueError(f"max_model_len must be <= {limit} (the model's position limit), "
                          f"got {max_len}")
     factory = quant.linear_factory if quant is not None else dense_linear_factory
-    model = LlamaForCausalLM(hf_config, factory, backend, max_len, dtype, device, bias)
+    shape = ModelShape.from_hf_config(hf_config)
+    layout = TPLayout.of(shape, int(hf_config.intermediate_size), tp or single_rank())
+    try:
+        model = LlamaForCausalLM(hf_config, factory, backend, max_len, dtype, device, bias,
+                                 layout)
+    except UnsupportedModelError as e:
+        if not layout.sharded:
+            raise
+        n = layout.tp.world_size
+        raise UnsupportedModelError(
+            f"{e} (under tensor_parallel_size {n} each rank holds 1/{n} of the heads and of "
+            f"intermediate_size; a tensor_parallel_size whose shares fit is allowed)") from e
     _load_weights(model, model_weight_files(cfg.model), dtype)
     model.eval()
     linear_bytes = sum(_module_bytes(m) for n, m in model.named_modules()
@@ -147,6 +174,9 @@ def _load_weights(model: LlamaForCausalLM, files: list[str], dtype: torch.dtype)
     shards: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
     targets = _fused_targets(model)
     params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
+    layout = model.layout
+    act_order = _row_parallel_act_order(model, files, targets) if layout.sharded else set()
     loaded: set[str] = set()
     for path in files:
         with safe_open(path, framework="pt") as f:
@@ -156,20 +186,25 @@ def _load_weights(model: LlamaForCausalLM, files: list[str], dtype: torch.dtype)
                 module_prefix, _, suffix = key.rpartition(".")
                 if module_prefix in targets:
                     name, idx = targets[module_prefix]
-                    shards.setdefault(name, {}).setdefault(idx, {})[suffix] = f.get_tensor(key)
+                    slices = getattr(modules[name], "tp_slices", None)
+                    shards.setdefault(name, {}).setdefault(idx, {})[suffix] = read_shard(
+                        f, key, suffix, modules[name], slices[idx] if slices else None,
+                        layout.tp.rank, name in act_order)
                     continue
                 target = key.removeprefix("model.") if key != "lm_head.weight" else "lm_head"
                 if target not in params:
                     logger.warning("ignoring checkpoint tensor %s (no such parameter)", key)
                     continue
-                tensor = f.get_tensor(key)
+                if layout.sharded and target in ("embed_tokens.weight", "lm_head"):
+                    tensor = read_vocab_rows(f, key, layout.vocab_start, layout.vocab_rows)
+                else:
+                    tensor = f.get_tensor(key)
                 if tensor.shape != params[target].shape:
                     raise UnsupportedModelError(
                         f"{key} must have shape {tuple(params[target].shape)}, got "
                         f"{tuple(tensor.shape)}")
                 params[target].data.copy_(tensor.to(dtype))
                 loaded.add(target)
-    modules = dict(model.named_modules())
     for name, by_shard in shards.items():
         module = modules[name]
         if len(by_shard) != len(module.shard_prefixes):
@@ -183,6 +218,34 @@ def _load_weights(model: LlamaForCausalLM, files: list[str], dtype: torch.dtype)
     if missing:
         raise UnsupportedModelError(f"checkpoint lacks tensors for {missing[:5]}"
                                     f"{' ...' if len(missing) > 5 else ''}")
+
+
+def _row_parallel_act_order(model: LlamaForCausalLM, files: list[str],
+                            targets: dict[str, tuple[str, int]]) -> set[str]:
+    """Row-parallel quantized layers whose ``g_idx`` is not contiguous (act order): their
+    shards keep every group (:meth:`~nybble.quant.linear.QuantLinear.keep_all_groups`)."""
+    modules = dict(model.named_modules())
+    found: set[str] = set()
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            keys = set(f.keys())
+            for key in keys:
+                prefix, _, suffix = key.rpartition(".")
+                name = targets.get(prefix, (None, 0))[0]
+                module = modules.get(name) if name else None
+                slices = getattr(module, "tp_slices", None)
+                if suffix not in G_IDX_NAMES or not slices or slices[0].axis != "in":
+                    continue
+                group_key = f"{prefix}.{module.group_tensors[0]}"
+                if group_key not in keys:
+                    raise UnsupportedModelError(f"{group_key} must be in the file of {key} to "
+                                                f"split an act-order layer, got {path}")
+                dim = module.input_dims[module.group_tensors[0]]
+                groups = f.get_slice(group_key).get_shape()[dim]
+                if is_act_order(f.get_tensor(key), groups):
+                    module.keep_all_groups(groups)
+                    found.add(name)
+    return found
 
 
 def _concat_shards(module: torch.nn.Module,

@@ -36,7 +36,7 @@ def prefill_logits(loaded: LoadedModel, sequences: list[list[int]],
         raise ValueError(f"sequence lengths must be in [1, {loaded.max_model_len}], got {lens}")
     model = loaded.model
     device = device or model.embed_tokens.weight.device
-    shape = loaded.shape
+    shape = loaded.shard_shape   # this rank's KV heads under tensor parallelism
     bs = SCRATCH_BLOCK_SIZE
     blocks = [(n + bs - 1) // bs for n in lens]
     width = max(blocks)

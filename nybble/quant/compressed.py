@@ -26,6 +26,10 @@ class CompressedPackedLinear(QuantLinear):
     output_dims: ClassVar[dict[str, int | None]] = {
         "weight_packed": 0, "weight_scale": 0, "weight_zero_point": 0, "weight_shape": 0,
         "weight_g_idx": None, "bias": 0}
+    input_dims: ClassVar[dict[str, int | None]] = {
+        "weight_packed": 1, "weight_scale": 1, "weight_zero_point": 1, "weight_g_idx": 0,
+        "bias": None}
+    group_tensors: ClassVar[tuple[str, ...]] = ("weight_scale", "weight_zero_point")
     optional: ClassVar[tuple[str, ...]] = ("weight_zero_point", "weight_g_idx")
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
@@ -95,6 +99,8 @@ class Int8W8A8Linear(QuantLinear):
     activations quantized per token at run time (§6.2)."""
 
     output_dims: ClassVar[dict[str, int | None]] = {"weight": 0, "weight_scale": 0, "bias": 0}
+    input_dims: ClassVar[dict[str, int | None]] = {"weight": 1, "weight_scale": None,
+                                                  "bias": None}
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
                  device: torch.device, path_log: CpuPathLog | None = None) -> None:

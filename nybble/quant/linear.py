@@ -73,7 +73,10 @@ class QuantLinear(nn.Module):
     """Shared buffer handling; subclasses declare ``output_dims`` and ``_shapes()``."""
 
     output_dims: ClassVar[dict[str, int | None]] = {}
+    input_dims: ClassVar[dict[str, int | None]] = {}
+    group_tensors: ClassVar[tuple[str, ...]] = ()
     optional: ClassVar[tuple[str, ...]] = ()
+    num_groups: int = 1
 
     def __init__(self, in_features: int, out_features: int, bias: bool,
                  device: torch.device, path_log: CpuPathLog | None = None) -> None:
@@ -99,6 +102,12 @@ class QuantLinear(nn.Module):
 
     def _shapes(self) -> dict[str, tuple[int, ...]]:
         raise NotImplementedError
+
+    def keep_all_groups(self, num_groups: int) -> None:
+        """Before :meth:`load_tensors`: this module is a row-parallel shard of an act-order
+        layer (tensor parallelism), whose ``g_idx`` points into all ``num_groups`` groups of
+        the whole layer, so its group tensors keep every group."""
+        self.num_groups = num_groups
 
     def _set(self, name: str, t: torch.Tensor, dtype: torch.dtype | None = None) -> None:
         shape = self._shapes()[name]
@@ -181,6 +190,9 @@ class GPTQLinear(QuantLinear):
 
     output_dims: ClassVar[dict[str, int | None]] = {"qweight": 1, "qzeros": 1, "scales": 1,
                                                    "g_idx": None, "bias": 0}
+    input_dims: ClassVar[dict[str, int | None]] = {"qweight": 0, "qzeros": 0, "scales": 0,
+                                                  "g_idx": 0, "bias": None}
+    group_tensors: ClassVar[tuple[str, ...]] = ("qzeros", "scales")
     optional: ClassVar[tuple[str, ...]] = ("g_idx",)
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
@@ -241,6 +253,9 @@ class AWQLinear(QuantLinear):
 
     output_dims: ClassVar[dict[str, int | None]] = {"qweight": 1, "qzeros": 1, "scales": 1,
                                                    "bias": 0}
+    input_dims: ClassVar[dict[str, int | None]] = {"qweight": 0, "qzeros": 0, "scales": 0,
+                                                  "bias": None}
+    group_tensors: ClassVar[tuple[str, ...]] = ("qzeros", "scales")
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
                  device: torch.device, group_size: int,

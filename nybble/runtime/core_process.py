@@ -33,7 +33,12 @@ from typing import TYPE_CHECKING
 import zmq
 
 from nybble.config import has_tokenizer_file
-from nybble.errors import EngineStepError, InvalidRequestError, NybbleError
+from nybble.errors import (
+    EngineStepError,
+    InvalidRequestError,
+    NybbleError,
+    WorkerFailedError,
+)
 from nybble.runtime.messages import (
     Codec,
     CoreInputs,
@@ -100,6 +105,7 @@ class CoreProc:
         self._failures = 0
         self._idle_reported = True
         self._parent_checked = time.monotonic()
+        self._workers_due = False
 
     def send(self, message: object) -> None:
         """Encode and push one message to the API process."""
@@ -119,6 +125,10 @@ class CoreProc:
                 logger.warning("the API process (pid %d) is gone; engine core exiting",
                                self.parent_pid)
                 return 1
+            dead = self._dead_workers()
+            if dead:    # NOTE: found while idle too, so /health turns 503 at once
+                self._give_up(f"WorkerFailedError: tensor-parallel worker failed: {dead}")
+                return 1
             if self._stop:
                 break
             if self.core.has_unfinished_requests():
@@ -135,7 +145,16 @@ class CoreProc:
         if now - self._parent_checked < PARENT_CHECK_S:
             return True
         self._parent_checked = now
+        self._workers_due = True
         return os.getppid() == self.parent_pid
+
+    def _dead_workers(self) -> str:
+        """``"; "``-joined lines of the tensor-parallel workers that are gone (checked once
+        per parent check; empty when all are alive or there are none)."""
+        if not self._workers_due:
+            return ""
+        self._workers_due = False
+        return "; ".join(self.core.dead_workers())
 
     def _drain(self) -> None:
         """Handle every message queued on the input socket, without blocking."""
@@ -180,6 +199,8 @@ class CoreProc:
             logger.error("engine step failed (%d in a row): %s; failed its %d request(s)",
                          self._failures, cause, len(e.request_ids), exc_info=e.__cause__)
             self.send(RequestsFailed(e.request_ids, f"the engine step failed: {cause}"))
+            if isinstance(e.__cause__, WorkerFailedError):   # NOTE: cannot step again
+                return self._give_up(cause)
             if self._failures >= MAX_CONSECUTIVE_STEP_FAILURES:
                 return self._give_up(f"{self._failures} engine steps failed in a row; "
                                      f"last: {cause}")
@@ -248,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         return _close(ctx, 1)
     outputs.send(codec.encode(ready))
     code = CoreProc(core, inputs, outputs, args.parent_pid).run()
+    core.shutdown()     # NOTE: tensor-parallel workers get STOP (os._exit skips atexit)
     return _close(ctx, code)
 
 

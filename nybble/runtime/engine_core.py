@@ -15,9 +15,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from nybble.config import EngineConfig, ModelConfig, check_model_dir
-from nybble.errors import EngineStepError
+from nybble.errors import EngineStepError, WorkerFailedError
 from nybble.kernels import get_attention_backend
 from nybble.models.loader import LoadedModel, load_model
 from nybble.quant.report import summarize_report
@@ -37,6 +38,7 @@ from nybble.runtime.model_runner import ModelRunner
 from nybble.runtime.scheduler import Scheduler
 from nybble.runtime.sequence import FinishReason
 from nybble.runtime.structured_output import GrammarCompiler
+from nybble.runtime.tp_executor import Executor, start_executor
 
 logger = logging.getLogger(__name__)
 
@@ -76,14 +78,29 @@ class EngineCore:
         mc = config.model_config
         check_model_dir(mc.model)
         self.device = _resolve_device(mc.device)
+        self.executor: Executor | None = None
+        if config.parallel_config.tensor_parallel_size > 1:
+            self.executor = start_executor(config)    # workers load their shards meanwhile
+            self.device = self.executor.tp.device
         backend = get_attention_backend(config.attention_backend, self.device)
-        self.loaded: LoadedModel = load_model(mc, backend, self.device)
+        try:
+            self._load(config, backend)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _load(self, config: EngineConfig, backend) -> None:
+        """Load the model (rank 0's shard under tensor parallelism), plan the KV pool, build
+        the runner and the scheduler."""
+        mc = config.model_config
+        tp = None if self.executor is None else self.executor.tp
+        self.loaded: LoadedModel = load_model(mc, backend, self.device, tp)
         vocab = self.loaded.shape.vocab_size
         if mc.max_logprobs > vocab:
             raise ValueError(f"max_logprobs must be <= {vocab} (the model's vocabulary), got "
                              f"{mc.max_logprobs}")
-        self.kv_spec = plan_kv_cache(config.cache_config, self.loaded.shape, self.loaded.dtype,
-                                     self.device)
+        self.kv_spec = plan_kv_cache(config.cache_config, self.loaded.shard_shape,
+                                     self.loaded.dtype, self.device)
         if is_quantized_kv(self.kv_spec.dtype):
             from nybble.runtime.kv_calibration import calibrate_kv_scales
 
@@ -96,6 +113,9 @@ class EngineCore:
         if spec is not None and spec.model is not None:
             proposer = DraftProposer(self._load_draft(backend), self.kv_spec, self.device)
         self.runner = ModelRunner(self.loaded, self.kv_spec, self.device, config, proposer)
+        if self.executor is not None:
+            self.executor.setup(self.kv_spec.num_blocks)
+            self.runner.step_hook = self.executor.send_step
         sc = config.scheduler_config
         ngram = spec is not None and spec.method == "ngram"
         self.scheduler = Scheduler(self.kv_spec.num_blocks, self.kv_spec.block_size,
@@ -311,7 +331,23 @@ class EngineCore:
             failed = self._roll_back(batch)
             if not isinstance(e, Exception):  # NOTE: Ctrl-C in LLM.generate: rolled back too
                 raise
-            raise EngineStepError(failed, f"{type(e).__name__}: {e}") from e
+            cause: BaseException = e
+            if self.executor is not None and not isinstance(e, WorkerFailedError) and (
+                    self.executor.dead_workers() or isinstance(e, dist.DistError)):
+                # NOTE: the ranks are out of step: the engine cannot step again
+                cause = WorkerFailedError(f"{'; '.join(self.executor.dead_workers())} "
+                                          f"({type(e).__name__}: {e})")
+            raise EngineStepError(failed, f"{type(cause).__name__}: {cause}") from cause
+
+    def dead_workers(self) -> list[str]:
+        """One line per tensor-parallel worker that is gone (empty: all alive, or none)."""
+        return [] if self.executor is None else self.executor.dead_workers()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent; also at interpreter
+        exit)."""
+        if self.executor is not None:
+            self.executor.shutdown()
 
     def _roll_back(self, batch: ScheduledBatch) -> list[str]:
         """After a failed step: hand ``batch`` back to the scheduler if ``update()`` did not

@@ -15,7 +15,7 @@ numpy arrays.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -119,11 +119,16 @@ class ModelRunner:
                                        dtype=np.int32).tobytes()
         if cc.compilation_level == 3:
             self.model.compile_segments()
-        elif device.type == "cpu" and not cc.enforce_eager:
+        elif device.type == "cpu" and not cc.enforce_eager and not loaded.model.layout.sharded:
+            # NOTE: not under tensor parallelism: the fused step has no collectives
             logger.info("CPU decode step: %s",
                         self.model.enable_fused_cpu_decode(self.kv_caches))
+        # tensor parallelism: sends each step to the workers before the forward
+        self.step_hook: Callable[[ScheduledBatch], None] | None = None
         self.graphs: DecodeGraphs | None = None
+        # NOTE: no CUDA graphs under tensor parallelism: every rank must replay in lockstep
         if device.type == "cuda" and not cc.enforce_eager and \
+                not loaded.model.layout.sharded and \
                 self.model.attention_backend.name == "triton":
             self.graphs = DecodeGraphs(
                 self.model, self.kv_caches, capture_sizes(sc.max_num_seqs, cc.cuda_graph_sizes),
@@ -196,6 +201,26 @@ class ModelRunner:
         return hidden.index_select(0, self.inputs.put("sample_rows", rows.astype(np.int64)))
 
     @torch.inference_mode()
+    def forward(self, batch: ScheduledBatch) -> torch.Tensor:
+        """The step's forward alone: copy-on-write block copies, then the model; returns
+        the final hidden states ``[T, hidden]`` (what a tensor-parallel worker runs)."""
+        if len(batch.copy_src):
+            self._copy_blocks(batch.copy_src, batch.copy_dst)
+        if self.proposer is not None:
+            self.proposer.propose(batch)
+        if self.graphs is not None and self.graphs.can_run(batch):
+            return self.graphs.run(batch)
+        input_ids, positions, meta = self.prepare(batch)
+        if self.speculative and batch.max_query_len > 1 and \
+                batch.num_tokens == batch.num_seqs + int(batch.num_draft_tokens.sum()):
+            # NOTE: decode rows and their drafts only: verify them with the decode kernel
+            meta = decode_rows_metadata(
+                batch.slot_mapping, batch.positions, batch.block_tables,
+                np.repeat(np.arange(batch.num_seqs), np.diff(batch.query_start_loc)),
+                self.device)
+        return self.model(input_ids, positions, self.kv_caches, meta)
+
+    @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> ModelRunnerOutput:
         """Run one step and sample the rows ``batch.sample_rows`` with the sampling state of
         ``batch.sample_seq_ids``.
@@ -203,22 +228,9 @@ class ModelRunner:
         Returns:
             :class:`ModelRunnerOutput` with ``len(batch.sample_rows)`` rows, in that order.
         """
-        if len(batch.copy_src):
-            self._copy_blocks(batch.copy_src, batch.copy_dst)
-        if self.proposer is not None:
-            self.proposer.propose(batch)
-        if self.graphs is not None and self.graphs.can_run(batch):
-            hidden = self.graphs.run(batch)
-        else:
-            input_ids, positions, meta = self.prepare(batch)
-            if self.speculative and batch.max_query_len > 1 and \
-                    batch.num_tokens == batch.num_seqs + int(batch.num_draft_tokens.sum()):
-                # NOTE: decode rows and their drafts only: verify them with the decode kernel
-                meta = decode_rows_metadata(
-                    batch.slot_mapping, batch.positions, batch.block_tables,
-                    np.repeat(np.arange(batch.num_seqs), np.diff(batch.query_start_loc)),
-                    self.device)
-            hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if self.step_hook is not None:
+            self.step_hook(batch)
+        hidden = self.forward(batch)
         if self.speculative:    # NOTE: every step, so a seeded sample's noise is per position
             return self._verify(hidden, batch)
         prompt_logprobs = self.prompt_logprobs.compute(hidden, batch,

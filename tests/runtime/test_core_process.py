@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from nybble.errors import EngineStepError
+from nybble.errors import EngineStepError, WorkerFailedError
 from nybble.runtime.core_process import MAX_CONSECUTIVE_STEP_FAILURES, CoreProc
 from nybble.runtime.messages import (
     Codec,
@@ -39,6 +39,7 @@ class ScriptedCore:
         self.requests: list[str] = []
         self.log: list[tuple[str, object]] = []
         self.fail_steps = fail_steps
+        self.dead: list[str] = []     # tensor-parallel workers that are gone
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.log.append(("add", request.request_id))
@@ -69,6 +70,9 @@ class ScriptedCore:
 
     def get_stats(self) -> EngineStats:
         return STATS
+
+    def dead_workers(self) -> list[str]:
+        return list(self.dead)
 
 
 def _request(rid: str) -> EngineCoreRequest:
@@ -215,3 +219,30 @@ def test_a_good_step_resets_the_failure_count(sockets) -> None:
     assert code == 0   # the failures were not consecutive enough to give up
     assert sum(isinstance(m, RequestsFailed) for m in out) == MAX_CONSECUTIVE_STEP_FAILURES - 1
     assert isinstance(out[-1], EngineCoreOutputs) and out[-1].request_ids
+
+
+def test_a_dead_tensor_parallel_worker_ends_the_core_at_once(sockets) -> None:
+    core = ScriptedCore()
+
+    def worker_gone() -> EngineCoreOutputs:
+        batch, core.requests = core.requests[:1], core.requests[1:]
+        raise EngineStepError(batch, "WorkerFailedError: rank 1 exited") from \
+            WorkerFailedError("rank 1 (pid 7) exited with code -9")
+
+    core.step = worker_gone  # type: ignore[method-assign]
+    code, out = _run(core, sockets, [CoreInputs(adds=[_request("a"), _request("b")])])
+    assert code == 1    # no second step: the API process turns unhealthy (/health 503)
+    why = "WorkerFailedError: rank 1 (pid 7) exited with code -9"
+    assert out == [RequestsFailed(["a"], f"the engine step failed: {why}"),
+                   RequestsFailed(["b"], f"the engine can no longer step: {why}"),
+                   EngineCoreFatal(why)]
+
+
+def test_a_worker_found_dead_while_idle_ends_the_core(sockets, monkeypatch) -> None:
+    monkeypatch.setattr("nybble.runtime.core_process.PARENT_CHECK_S", 0.0)
+    core = ScriptedCore()
+    core.dead = ["rank 1 (pid 7) exited with code -9"]
+    code, out = _run(core, sockets, [])
+    assert code == 1
+    assert out == [EngineCoreFatal("WorkerFailedError: tensor-parallel worker failed: "
+                                   "rank 1 (pid 7) exited with code -9")]
