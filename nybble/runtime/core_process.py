@@ -49,6 +49,7 @@ from nybble.runtime.messages import (
     decode_config,
 )
 from nybble.runtime.torch_threads import apply_torch_threads
+from nybble.startup_gc import startup_gc_paused
 from nybble.threads import resolve_threads, set_thread_env
 
 if TYPE_CHECKING:
@@ -252,7 +253,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _start(config_json: str) -> tuple[EngineCore, EngineCoreReady]:
-    """Threads, imports, model, tokenizer conversion: everything before the handshake."""
+    """Threads, imports, model, tokenizer conversion: everything before the handshake (with
+    the garbage collector paused, see :mod:`nybble.startup_gc`)."""
+    with startup_gc_paused():
+        return _load(config_json)
+
+
+def _load(config_json: str) -> tuple[EngineCore, EngineCoreReady]:
     config = decode_config(config_json)
     threads, source = resolve_threads(config.threads)
     set_thread_env(threads)  # NOTE: before torch is imported (next line)
