@@ -10,6 +10,8 @@ records, in seconds since the launch:
   process to its handshake: torch import, weights, KV cache);
 - ``cpu_s``: CPU seconds (user + system) both server processes used from launch to exit, a
   figure that depends less on how busy a shared machine is;
+- ``api_cpu_at_answer_s``, ``core_cpu_at_answer_s``: CPU seconds of the API process and of the
+  engine-core process up to the first answer (Linux ``/proc``);
 - ``load_1m``: the 1-minute load average when the run started.
 
 Usage: ``python benchmarks/serve_startup.py [--runs 5] [--model PATH] [--baseline-root DIR]``;
@@ -67,7 +69,9 @@ def one_run(model: str | None, timeout_s: float, root: str = ROOT,
     cpu0 = _children_cpu_s()
     load = os.getloadavg()[0]
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    # NOTE: cwd=root: `python -m` puts the working directory first on sys.path
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                            cwd=root)
     url_logged: list[float] = []
     log = [] if log is None else log
 
@@ -92,6 +96,7 @@ def one_run(model: str | None, timeout_s: float, root: str = ROOT,
                 try:
                     if client.post("/v1/completions", json=body).status_code == 200:
                         first_answer = time.monotonic() - t0
+                        api_cpu, core_cpu = _process_cpu_s(proc.pid)
                         break
                 except httpx.TransportError:
                     pass
@@ -108,7 +113,24 @@ def one_run(model: str | None, timeout_s: float, root: str = ROOT,
     return {"url_logged_s": url_logged[0] if url_logged else float("nan"),
             "first_answer_s": first_answer,
             "engine_init_s": float(ready.group(1)) if ready else float("nan"),
-            "cpu_s": _children_cpu_s() - cpu0, "load_1m": load}
+            "cpu_s": _children_cpu_s() - cpu0, "api_cpu_at_answer_s": api_cpu,
+            "core_cpu_at_answer_s": core_cpu, "load_1m": load}
+
+
+def _process_cpu_s(pid: int) -> tuple[float, float]:
+    """CPU seconds (user + system) so far of process ``pid`` and of its children together
+    (Linux ``/proc``; NaN elsewhere)."""
+    def cpu(p: int) -> float:
+        with open(f"/proc/{p}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            children = [int(c) for c in f.read().split()]
+        return cpu(pid), sum(cpu(c) for c in children)
+    except OSError:
+        return float("nan"), float("nan")
 
 
 def _children_cpu_s() -> float:
@@ -122,6 +144,10 @@ def _summary(rows: list[dict[str, float]]) -> dict[str, float]:
     return {"median_first_answer_s": statistics.median(firsts),
             "min_first_answer_s": min(firsts), "max_first_answer_s": max(firsts),
             "median_cpu_s": statistics.median(r["cpu_s"] for r in rows),
+            "median_api_cpu_at_answer_s": statistics.median(r["api_cpu_at_answer_s"]
+                                                            for r in rows),
+            "median_core_cpu_at_answer_s": statistics.median(r["core_cpu_at_answer_s"]
+                                                             for r in rows),
             "median_load_1m": statistics.median(r["load_1m"] for r in rows)}
 
 
