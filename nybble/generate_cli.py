@@ -30,16 +30,19 @@ def run(args: argparse.Namespace) -> int:
     turns that into one error line and exit code 2)."""
     engine_config_from_args(args).model_config.check_folders()  # NOTE: before torch: fast
     from nybble.runtime.torch_threads import setup_threads
+    from nybble.startup_gc import startup_gc_paused
 
-    args.threads = setup_threads(args.threads)  # NOTE: before torch is imported (next line)
-    from nybble.runtime.llm import LLM
+    with startup_gc_paused():  # NOTE: imports and model load: nothing to collect
+        args.threads = setup_threads(args.threads)  # NOTE: before torch is imported (next)
+        from nybble.runtime.llm import LLM
+
+        llm = LLM.from_engine_config(engine_config_from_args(args))
     from nybble.sampling_params import SamplingParams
 
     params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, min_p=args.min_p, seed=args.sample_seed,
                             max_tokens=args.max_tokens, stop=args.stop,
                             ignore_eos=args.ignore_eos)
-    llm = LLM.from_engine_config(engine_config_from_args(args))
     outputs = llm.generate(args.prompts, params, use_tqdm=False)
     for out in outputs:
         for sample in out.outputs:

@@ -1,7 +1,7 @@
 """CoreClient: the API process's handle on the engine-core process.
 
-It binds two ZeroMQ sockets on Unix-domain (``ipc://``) paths in a private temporary folder,
-starts ``python -m nybble.runtime.core_process`` (which connects to them), and then:
+It takes the process :func:`~nybble.runtime.core_spawn.spawn_core` started, binds the two
+ZeroMQ sockets on the Unix-domain (``ipc://``) paths the core connects to, and then:
 
 - sends :class:`CoreInputs` batches (everything queued during one event-loop turn goes in one
   message: new requests first, then stop-string finishes, then aborts), utility calls and
@@ -11,9 +11,10 @@ starts ``python -m nybble.runtime.core_process`` (which connects to them), and t
   a poll every 0.5 s elsewhere; :attr:`exit_code` is set then and the ``on_exit`` callback
   runs.
 
-The core is started first thing (even before this process imports ZeroMQ: the core
-connects only after its torch import, long after the sockets are bound), so it imports torch
-and loads the model while this process imports the web stack and loads the tokenizer.
+The core is started first thing (even before this module, asyncio and ZeroMQ are imported:
+the core connects only after its torch import, long after the sockets are bound), so it
+imports torch and loads the model while this process imports the web stack and loads the
+tokenizer.
 """
 from __future__ import annotations
 
@@ -23,13 +24,13 @@ import logging
 import os
 import shutil
 import signal
-import subprocess
-import sys
-import tempfile
 from collections.abc import Callable
 
-from nybble.config import EngineConfig
+import zmq
+import zmq.asyncio
+
 from nybble.errors import NybbleError
+from nybble.runtime.core_spawn import CoreProcess
 from nybble.runtime.messages import (
     Codec,
     CoreInputs,
@@ -38,7 +39,6 @@ from nybble.runtime.messages import (
     FromCore,
     Shutdown,
     UtilityCall,
-    encode_config,
 )
 
 logger = logging.getLogger(__name__)
@@ -51,27 +51,19 @@ class EngineStartupError(NybbleError):
 
 
 class CoreClient:
-    """Start the engine-core process and talk to it (one per ``nybble serve``).
+    """Talk to the engine-core process and watch it (one per ``nybble serve``).
 
     Args:
-        config: the engine configuration (sent to the core on its command line).
-        log_level: the core's logging level.
+        core: the process :func:`~nybble.runtime.core_spawn.spawn_core` started (this client
+            owns it from now on: :meth:`close` kills it if it still runs).
 
-    NOTE: construct it on the main thread: Linux's parent-death signal of the core follows
-    the thread that started it.
+    Raises:
+        zmq.ZMQError: a socket could not be bound (the caller kills ``core.proc``).
     """
 
-    def __init__(self, config: EngineConfig, log_level: str = "INFO") -> None:
-        self._dir = tempfile.mkdtemp(prefix="nybble-core-")
-        in_addr, out_addr = f"ipc://{self._dir}/input", f"ipc://{self._dir}/output"
-        cmd = [sys.executable, "-m", "nybble.runtime.core_process", "--input-address", in_addr,
-               "--output-address", out_addr, "--parent-pid", str(os.getpid()),
-               "--log-level", log_level, "--config", encode_config(config)]
-        # NOTE: a session of its own: a terminal's Ctrl-C (or a signal to our process group)
-        # reaches only this process, which then shuts the core down in order
-        self.proc = subprocess.Popen(cmd, start_new_session=True)
-        import zmq.asyncio  # NOTE: after the spawn (see the module's docstring)
-
+    def __init__(self, core: CoreProcess) -> None:
+        self.proc = core.proc
+        self._dir = core.folder
         self._noblock = zmq.NOBLOCK
         self._ctx = zmq.asyncio.Context()
         # NOTE: a plain socket for sending, so callers need not await (PUSH never blocks
@@ -79,10 +71,10 @@ class CoreClient:
         self._input = zmq.Socket(self._ctx, zmq.PUSH)
         self._input.setsockopt(zmq.SNDHWM, 0)
         self._input.setsockopt(zmq.LINGER, 0)
-        self._input.bind(in_addr)
+        self._input.bind(core.input_address)
         self._output = self._ctx.socket(zmq.PULL)
         self._output.setsockopt(zmq.LINGER, 0)
-        self._output.bind(out_addr)
+        self._output.bind(core.output_address)
         self._codec = Codec(FromCore)
         self.exit_code: int | None = None
         self.on_exit: Callable[[int], None] | None = None

@@ -1,12 +1,14 @@
 """The engine-core process of ``nybble serve``: an :class:`EngineCore` behind ZeroMQ sockets.
 
-Started by :class:`nybble.runtime.core_client.CoreClient` as
+Started by :func:`nybble.runtime.core_spawn.spawn_core` (then driven by a
+:class:`~nybble.runtime.core_client.CoreClient`) as
 ``python -m nybble.runtime.core_process``. It
 
 1. ties its life to its parent: ``PR_SET_PDEATHSIG`` (Linux) kills it when the parent dies,
    and the busy loop checks every second that its parent is still the one that started it
    (the backstop where prctl is missing, or if the parent died before prctl was set);
-2. sets the OpenMP thread environment, then imports torch and loads the model;
+2. sets the OpenMP thread environment, then imports torch and loads the model (with the
+   garbage collector paused, :mod:`nybble.startup_gc`);
 3. answers with the handshake (:class:`EngineCoreReady`, or :class:`EngineCoreStartupFailed`
    with one line for the user);
 4. runs the busy loop: drain the input socket (every queued message, each possibly a batch),
@@ -54,6 +56,7 @@ from nybble.runtime.messages import (
     decode_config,
 )
 from nybble.runtime.torch_threads import apply_torch_threads
+from nybble.startup_gc import startup_gc_paused
 from nybble.threads import resolve_threads, set_thread_env
 
 if TYPE_CHECKING:
@@ -274,7 +277,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _start(config_json: str) -> tuple[EngineCore, EngineCoreReady]:
-    """Threads, imports, model, tokenizer conversion: everything before the handshake."""
+    """Threads, imports, model, tokenizer conversion: everything before the handshake (with
+    the garbage collector paused, see :mod:`nybble.startup_gc`)."""
+    with startup_gc_paused():
+        return _load(config_json)
+
+
+def _load(config_json: str) -> tuple[EngineCore, EngineCoreReady]:
     config = decode_config(config_json)
     threads, source = resolve_threads(config.threads)
     set_thread_env(threads)  # NOTE: before torch is imported (next line)

@@ -4,10 +4,10 @@ Order (the core's torch import and model load overlap this process's start-up):
 
 1. cheap checks (model folder, tokenizer folder) and binding the port: a bad path or a busy
    port fails at once with one line;
-2. start the engine-core process (:class:`CoreClient`);
-3. meanwhile import the web stack, load the tokenizer (``tokenizer.json``) and start uvicorn
-   on the bound socket: ``/health`` answers 503 and API requests wait until the engine is
-   ready;
+2. start the engine-core process (:func:`spawn_core`), before this process imports anything
+   heavier than the argument parser: asyncio, ZeroMQ (:class:`CoreClient`), the web stack;
+3. meanwhile import those, load the tokenizer (``tokenizer.json``) and start uvicorn on the
+   bound socket: ``/health`` answers 503 and API requests wait until the engine is ready;
 4. the core's handshake (KV pool, limits, EOS ids) completes the app (request gate, engine);
    a start-up error in the core stops uvicorn and becomes one :class:`EngineStartupError`
    line (exit code 2 from the CLI).
@@ -20,7 +20,6 @@ core and exits at once. The core dies with this process in any case (see
 """
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import os
@@ -30,15 +29,15 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from nybble.config import EngineConfig, has_tokenizer_file
 from nybble.oslimits import raise_open_file_limit
-from nybble.runtime.core_client import CoreClient
+from nybble.runtime.core_spawn import spawn_core
 from nybble.server.config import ServerConfig
 
 if TYPE_CHECKING:
+    from nybble.runtime.core_client import CoreClient
     from nybble.server.state import Startup
 
 logger = logging.getLogger(__name__)
@@ -66,7 +65,18 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     sock = _bind(server_config.host, server_config.port)
     t0 = time.monotonic()
     level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
-    client = CoreClient(engine_config, log_level=level)
+    core = spawn_core(engine_config, log_level=level)
+    # NOTE: imported after the spawn (see the module's docstring)
+    import asyncio
+
+    from nybble.runtime.core_client import CoreClient
+
+    try:
+        client = CoreClient(core)
+    except BaseException:
+        core.proc.kill()
+        core.proc.wait()
+        raise
     try:
         asyncio.run(_serve(client, sock, engine_config, server_config, t0))
     except KeyboardInterrupt:  # NOTE: Ctrl-C while the model was still loading
@@ -80,6 +90,9 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
 async def _serve(client: CoreClient, sock: socket.socket, engine_config: EngineConfig,
                  server_config: ServerConfig, t0: float) -> None:
     # NOTE: the web stack is imported here, after the core process started loading
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
     import uvicorn
 
     from nybble.runtime.async_engine import AsyncEngine
@@ -140,6 +153,8 @@ async def _serve(client: CoreClient, sock: socket.socket, engine_config: EngineC
 def _server_class() -> type:
     """uvicorn's ``Server`` with nybble's signal handling (a function: uvicorn is imported
     only after the core process started)."""
+    import asyncio
+
     import uvicorn
 
     class Server(uvicorn.Server):
