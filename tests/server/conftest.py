@@ -176,12 +176,19 @@ def children(pid: int) -> list[int]:
     return found
 
 
-def core_pid(api_pid: int) -> int:
-    """The engine-core process of the server whose API process is ``api_pid``."""
-    (pid,) = children(api_pid)
-    with open(f"/proc/{pid}/cmdline", "rb") as f:
-        assert b"nybble.runtime.core_process" in f.read()
-    return pid
+def core_pid(api_pid: int, timeout_s: float = 30.0) -> int:
+    """The engine-core process of the server whose API process is ``api_pid``.
+
+    NOTE: the core is started first thing, so right after the server starts its child may
+    still show the parent's command line (between fork and exec): wait for the exec."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        (pid,) = children(api_pid)
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"nybble.runtime.core_process" in f.read():
+                return pid
+        assert time.monotonic() < deadline, f"child {pid} of {api_pid} is not an engine core"
+        time.sleep(0.02)
 
 
 def pid_alive(pid: int) -> bool:

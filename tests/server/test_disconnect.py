@@ -43,7 +43,8 @@ def test_disconnect_mid_stream_frees_blocks(server: Server) -> None:
 def test_disconnect_while_waiting_for_a_json_response_aborts(server: Server) -> None:
     server.wait_idle()
     before = server.metrics()
-    body = json.dumps({"model": "stories260k", "prompt": "Once upon a time",
+    # NOTE: 4 samples of 480 tokens: long enough to outlast the disconnect check
+    body = json.dumps({"model": "stories260k", "prompt": "Once upon a time", "n": 4,
                        "max_tokens": 480, "ignore_eos": True}).encode()
     host, port = server.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port))) as sock:
@@ -52,7 +53,7 @@ def test_disconnect_while_waiting_for_a_json_response_aborts(server: Server) -> 
                      b"Authorization: Bearer " + server.api_key.encode() + b"\r\n"
                      b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
         for _ in range(10_000):          # until the engine runs it (bounded)
-            if server.stats()["num_running"] == 1:
+            if server.stats()["num_running"] >= 1:
                 break
         else:
             raise AssertionError("the request never started running")
@@ -60,4 +61,4 @@ def test_disconnect_while_waiting_for_a_json_response_aborts(server: Server) -> 
     assert stats["num_free_blocks"] == stats["num_blocks"]
     generated = server.metrics()["nybble:generation_tokens_total"] - \
         before["nybble:generation_tokens_total"]
-    assert generated < 480, "the request ran to the end instead of being aborted"
+    assert generated < 4 * 480, "the request ran to the end instead of being aborted"
