@@ -63,7 +63,9 @@ class _Stream(threading.Thread):
         with httpx.Client(base_url=self.url, timeout=60) as c, \
                 c.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as r:
             self.status = r.status_code
-            self.events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    self.events.append(line[6:])
 
 
 class _Blocking(threading.Thread):
@@ -135,7 +137,9 @@ def test_the_core_never_outlives_the_api_process(tmp_path: Path, sig: int) -> No
 @pytest.mark.slow
 def test_sigterm_ends_requests_in_flight_cleanly(tmp_path: Path) -> None:
     log = tmp_path / "serve.log"
-    proc, url = start_server(log)
+    # NOTE: the eager path (several times slower per step than the fused CPU step) leaves the
+    # 480-token requests seconds, not a fraction of one, between "all running" and the signal
+    proc, url = start_server(log, "--enforce-eager")
     try:
         core = core_pid(proc.pid)
         streams = [_Stream(url) for _ in range(3)]
@@ -143,6 +147,11 @@ def test_sigterm_ends_requests_in_flight_cleanly(tmp_path: Path) -> None:
         for t in (*streams, blocking):
             t.start()
         _wait_running(url, 4)
+        deadline = time.monotonic() + 60
+        while not all(s.events for s in streams):   # every stream has begun, none has ended
+            assert time.monotonic() < deadline, "the streams never began"
+            time.sleep(0.01)
+        assert not any(s.events[-1] == "[DONE]" for s in streams), "a stream ended too soon"
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=EXIT_BOUND_S)
         for t in (*streams, blocking):
