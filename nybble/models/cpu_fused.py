@@ -1,20 +1,22 @@
-"""The fused CPU decode step: a decode-only step of a float32 Llama-family model in one C call
+"""The fused CPU step: a forward step of a float32 Llama-family model in one C call
 (:mod:`nybble.kernels.cpu_decoder`) instead of ~230 torch ops.
 
 A small model's decode step on the CPU is dominated by per-op framework overhead (a few
 microseconds per op for math that takes less): the bundled model's forward is ~1.1 ms of
 dispatch for ~20 MFLOP. The fused step runs the same arithmetic (float32, the model's own RoPE
 table, the same paged KV cache) with no dispatch between the pieces — what CUDA graphs do for
-a GPU decode step. It takes every decode-only step of a model whose linear layers are dense
+a GPU decode step. It takes the steps of a model whose linear layers are dense
 float32 and whose KV cache is float32; quantized or half-precision weights, a quantized KV
 cache and ``torch.compile`` keep the torch path. A small model (linear weights of at most
 :data:`SMALL_MODEL_BYTES`, which stay in the CPU's caches) runs every step fused, prefill and
 mixed steps too: each new token becomes a row of its own whose sequence length is its position
 + 1 (it attends to itself and what precedes it), the same causal rule the varlen prefill path
 applies.
-``enforce_eager`` turns it off (vLLM's flag for "run the model op by op"). A larger model's
-prefill steps and decode steps of more than :data:`MAX_FUSED_TOKENS` sequences keep the torch
-path: its GEMMs (oneDNN/MKL) beat the fused step's register-tiled dot products there.
+A larger model runs fused the steps of at most :data:`MAX_FUSED_TOKENS` tokens, decode or
+not (decode batches, short prefill chunks, speculative verification of k + 1 positions per
+sequence), by the same row-per-token rule; steps of more tokens keep the torch path: its GEMMs
+(oneDNN/MKL) beat the fused step's register-tiled dot products there.
+``enforce_eager`` turns it off (vLLM's flag for "run the model op by op").
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ if TYPE_CHECKING:
     from nybble.models.llama import LlamaForCausalLM
 
 MAX_FUSED_TOKENS = 32
-"""Most sequences a fused decode step takes. Measured on the 2-core dev machine (one thread,
+"""Most tokens (rows) a step of a model that is not small may have to run fused. Measured on the 2-core dev machine (one thread,
 offline greedy decode, fused vs torch tokens/s): stories260k 3,570 vs 630 at 1 sequence,
 14,100 vs 5,800 at 16, 16,800 vs 14,500 at 64; stories3m 700 vs 370 at 1, 3,000 vs 2,300 at
 16, about even at 64 and 3,100 vs 5,000 at 256; the 134M-shape Llama 84 vs 51 at 4, 133 vs
@@ -106,15 +108,14 @@ class FusedCpuDecode:
         every_step = linear_bytes <= SMALL_MODEL_BYTES
         return (cls(decoder, model.config.hidden_size, kv_caches, every_step),
                 "fused C step (every step: a small model)" if every_step else
-                f"fused C decode step (up to {MAX_FUSED_TOKENS} sequences)")
+                f"fused C step (steps of up to {MAX_FUSED_TOKENS} tokens)")
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  kv_caches: list[torch.Tensor], meta: AttentionMetadata
                  ) -> torch.Tensor | None:
         """Final hidden states ``[T, hidden]`` float32 of the step (K/V written), or None
         when it is not one this model runs fused: other caches than it was built for, or, for
-        a model that is not small, prefill rows or more than :data:`MAX_FUSED_TOKENS`
-        sequences.
+        a model that is not small, more than :data:`MAX_FUSED_TOKENS` tokens.
 
         Raises:
             ValueError: an index out of range (token id, position, slot, block id); nothing
@@ -123,17 +124,15 @@ class FusedCpuDecode:
         tokens = input_ids.shape[0]
         if len(kv_caches) != len(self.cache_ptrs) or kv_caches[0].data_ptr() != self.cache_ptrs[0]:
             return None
+        if tokens > MAX_FUSED_TOKENS and not self.every_step:
+            return None
         tables = meta.block_tables.numpy()
         if meta.is_decode_only and tables.shape[0] == tokens:
-            if tokens > MAX_FUSED_TOKENS and not self.every_step:
-                return None
             seq_lens = meta.seq_lens.numpy()
-        elif self.every_step:   # one row per token: its sequence's blocks, position + 1 keys
+        else:   # one row per token: its sequence's blocks, position + 1 keys
             rows = np.repeat(np.arange(tables.shape[0]), np.diff(meta.query_start_loc.numpy()))
             tables = tables[rows]
             seq_lens = positions.numpy() + 1
-        else:
-            return None
         out = torch.empty(tokens, self.hidden_size, dtype=torch.float32)
         self.decoder.forward(_int64(input_ids), _int64(positions), _int64(meta.slot_mapping),
                              np.ascontiguousarray(tables, dtype=np.int32),

@@ -123,6 +123,9 @@ class ModelRunner:
             # NOTE: not under tensor parallelism: the fused step has no collectives
             logger.info("CPU decode step: %s",
                         self.model.enable_fused_cpu_decode(self.kv_caches))
+            if proposer is not None:   # the draft model of speculative decoding too
+                logger.info("CPU draft step: %s",
+                            proposer.model.enable_fused_cpu_decode(proposer.kv_caches))
         # tensor parallelism: sends each step to the workers before the forward
         self.step_hook: Callable[[ScheduledBatch], None] | None = None
         self.graphs: DecodeGraphs | None = None

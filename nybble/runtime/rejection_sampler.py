@@ -118,36 +118,35 @@ def rejection_sample(logits: torch.Tensor, draft_ids: torch.Tensor, num_draft: n
     device = logits.device
     logits = logits.float()
     S, N, vocab = len(num_draft), logits.shape[0], logits.shape[1]
-    m = torch.from_numpy(num_draft.astype(np.int64)).to(device)
-    starts = torch.cumsum(m + 1, 0) - (m + 1)
-    row_of = torch.repeat_interleave(torch.arange(S, device=device), m + 1)
-    pos_in_row = torch.arange(N, device=device) - starts[row_of]
-    is_draft_row = pos_in_row < m[row_of]
+    m = num_draft.astype(np.int64)
+    starts = np.cumsum(m + 1) - (m + 1)
     target = logits.argmax(dim=-1)
     if not params.all_greedy:
+        row_of = torch.from_numpy(np.repeat(np.arange(S), m + 1)).to(device)
         sub = _expand(params, row_of)
         if sub.random_rows.numel():
             rr = sub.random_rows
             probs = filter_logits(logits[rr], sub).softmax(dim=-1)
             noise = _noise(sub, positions[rr.cpu().numpy()].tolist(), vocab, generator, device)
             target[rr] = (probs / noise).argmax(dim=-1)
-    accept = (target == draft_ids) & is_draft_row
-    W = int(num_draft.max()) + 1 if S else 1
-    cols = torch.arange(W, device=device)
-    index = (starts[:, None] + cols[None, :]).clamp(max=max(N - 1, 0))
-    valid = cols[None, :] <= m[:, None]
-    accepted = (accept[index] & valid).long().cumprod(dim=1).sum(dim=1)     # [S]
-    chosen = torch.where(cols[None, :] < accepted[:, None], draft_ids[index],
-                         target[starts + accepted][:, None].expand(S, W))
-    chosen = torch.where(cols[None, :] <= accepted[:, None], chosen, 0)
-    counts = (accepted + 1).to(torch.int32)
-    out = VerifyOutput(chosen.to(torch.int32).cpu().numpy(), counts.cpu().numpy(), None, None,
-                       None)
+    # the acceptance arithmetic on the host: S rows of at most W = 1 + max m columns
+    t, d = target.cpu().numpy(), draft_ids.cpu().numpy()
+    W = int(m.max()) + 1 if S else 1
+    cols = np.arange(W)
+    index = np.minimum(starts[:, None] + cols[None, :], max(N - 1, 0))     # [S, W]
+    accept = (t[index] == d[index]) & (cols[None, :] < m[:, None])   # drafts only, not bonus
+    accepted = np.cumprod(accept, axis=1).sum(axis=1)                     # [S]
+    chosen = np.where(cols[None, :] < accepted[:, None], d[index],
+                      t[starts + accepted][:, None])
+    chosen = np.where(cols[None, :] <= accepted[:, None], chosen, 0).astype(np.int32)
+    out = VerifyOutput(chosen, (accepted + 1).astype(np.int32), None, None, None)
     if params.max_logprobs >= 0:
         logprobs = (logits if raw_logits is None else raw_logits.float()).log_softmax(dim=-1)
-        out.logprobs = logprobs[index].gather(-1, chosen[:, :, None])[:, :, 0].cpu().numpy()
+        index_t = torch.from_numpy(index).to(device)
+        chosen_t = torch.from_numpy(chosen.astype(np.int64)).to(device)
+        out.logprobs = logprobs[index_t].gather(-1, chosen_t[:, :, None])[:, :, 0].cpu().numpy()
         if params.max_logprobs > 0:
             top_lp, top_ids = logprobs.topk(params.max_logprobs, dim=-1)
-            out.top_token_ids = top_ids[index].cpu().numpy()
-            out.top_logprobs = top_lp[index].cpu().numpy()
+            out.top_token_ids = top_ids[index_t].cpu().numpy()
+            out.top_logprobs = top_lp[index_t].cpu().numpy()
     return out

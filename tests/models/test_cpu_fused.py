@@ -114,18 +114,46 @@ def test_small_model_prefill_and_chunks_equal_the_torch_path(variant: str, tmp_p
             torch.testing.assert_close(c, tc, rtol=1e-6, atol=1e-6)
 
 
-def test_large_steps_prefill_of_a_larger_model_and_other_caches_keep_the_torch_path(
-        tmp_path, monkeypatch) -> None:
+def _chunk_args(lo: int, hi: int | None) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """Positions ``lo`` up to ``hi`` (None: the end) of every prompt longer than ``lo``,
+    earlier positions cached: several new tokens per sequence, as in a prefill chunk or a
+    speculative verification step."""
+    seqs = [s for s, p in enumerate(PROMPTS) if len(p) > lo]
+    spans = [range(lo, len(PROMPTS[s]) if hi is None else min(hi, len(PROMPTS[s])))
+             for s in seqs]
+    ids = torch.tensor([PROMPTS[s][i] for s, r in zip(seqs, spans) for i in r])
+    pos = torch.tensor([i for r in spans for i in r])
+    slots = [_slot(TABLES[s], i) for s, r in zip(seqs, spans) for i in r]
+    starts = list(np.cumsum([0] + [len(r) for r in spans]))
+    return ids, pos, _meta(slots, starts, [r.stop for r in spans], [TABLES[s] for s in seqs])
+
+
+def test_larger_model_runs_steps_up_to_the_token_cap_fused(tmp_path, monkeypatch) -> None:
+    """A model that is not small runs fused every step of at most MAX_FUSED_TOKENS tokens,
+    prefill chunks and multi-token rows per sequence (speculative verification) too, with the
+    torch path's hidden states and KV writes; a step of more tokens, or over other caches, is
+    left to the torch path (None)."""
     model, caches = _setup(make_tiny_model("llama-gqa", str(tmp_path)))
     monkeypatch.setattr("nybble.models.cpu_fused.SMALL_MODEL_BYTES", 0)  # not a small model
-    assert model.enable_fused_cpu_decode(caches).startswith("fused C decode step")
+    assert model.enable_fused_cpu_decode(caches).startswith("fused C step (steps of up to")
+    fused, torch_caches = model.fused_decode, [c.clone() for c in caches]
+    for lo, hi in ((0, 3), (3, None)):   # 8 tokens, then the 8 left (2 and 6 per sequence)
+        ids, pos, meta = _chunk_args(lo, hi)
+        got = fused(ids, pos, caches, meta)
+        assert got is not None
+        with torch.no_grad():
+            model.fused_decode = None
+            want = model(ids, pos, torch_caches, meta)
+            model.fused_decode = fused
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        for c, tc in zip(caches, torch_caches):
+            torch.testing.assert_close(c, tc, rtol=1e-6, atol=1e-6)
     ids, pos, meta = _decode_meta()
-    prefill = _meta([0, 1], [0, 2], [2], [[0, 0, 0, 0]])
-    assert model.fused_decode(ids[:2], pos[:2], caches, prefill) is None
-    assert model.fused_decode(ids, pos, [c.clone() for c in caches], meta) is None
-    assert model.fused_decode(ids, pos, caches, meta) is not None
+    assert fused(ids, pos, [c.clone() for c in caches], meta) is None   # other caches
+    assert fused(ids, pos, caches, meta) is not None
     monkeypatch.setattr("nybble.models.cpu_fused.MAX_FUSED_TOKENS", 2)
-    assert model.fused_decode(ids, pos, caches, meta) is None
+    assert fused(ids, pos, caches, meta) is None   # 3 tokens > the cap
+    assert fused(*_chunk_args(0, 3)[:2], caches, _chunk_args(0, 3)[2]) is None
 
 
 def test_bad_indices_raise_and_write_nothing(tmp_path) -> None:
@@ -167,6 +195,25 @@ def test_engine_uses_it_on_cpu_unless_enforce_eager() -> None:
         llm = LLM(max_num_seqs=4, kv_cache_memory=8 * 2**20, enforce_eager=eager)
         model = llm.llm_engine.loaded.model
         assert (model.fused_decode is None) == eager
+        outs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params,
+                                                                   use_tqdm=False)]
+    assert outs[False] == outs[True]
+
+
+def test_speculative_draft_model_runs_it_and_output_is_unchanged() -> None:
+    """With a draft model (the bundled model drafting for itself), the runner turns the fused
+    step on for the draft too; greedy text equals the op-by-op path's (``enforce_eager``)."""
+    from nybble import LLM, SamplingParams
+    from nybble.config import DEFAULT_MODEL
+
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompts = ["Once upon a time", "The dog ran to the", "Lily"]
+    outs = {}
+    for eager in (False, True):
+        llm = LLM(max_num_seqs=4, kv_cache_memory=8 * 2**20, enforce_eager=eager,
+                  speculative_config={"model": DEFAULT_MODEL, "num_speculative_tokens": 3})
+        draft = llm.llm_engine.engine_core.runner.proposer.model
+        assert (draft.fused_decode is None) == eager
         outs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params,
                                                                    use_tqdm=False)]
     assert outs[False] == outs[True]

@@ -95,7 +95,9 @@ def test_api_process_never_loads_torch(server: Server) -> None:
 @pytest.mark.slow
 def test_core_death_fails_requests_and_turns_unhealthy(tmp_path: Path) -> None:
     log = tmp_path / "serve.log"
-    proc, url = start_server(log)
+    # NOTE: eager, so the two 480-token requests surely overlap (the fused step ends each in
+    # a fraction of a second, and one could finish before the other is admitted)
+    proc, url = start_server(log, "--enforce-eager")
     try:
         stream, blocking = _Stream(url), _Blocking(url)
         stream.start()
