@@ -194,7 +194,7 @@ class InputProcessor:
         if not _is_real(p.top_p) or not 0 < p.top_p <= 1:  # NOTE: NaN fails every comparison
             raise _fail("top_p", "in (0, 1]", p.top_p)
         if not _is_int(p.top_k) or not -1 <= p.top_k <= self.limits.vocab_size:
-            raise _fail("top_k", f"-1 (disabled) or an integer in [1, "
+            raise _fail("top_k", f"-1 or 0 (disabled) or an integer in [1, "
                         f"{self.limits.vocab_size}] (the vocabulary)", p.top_k)
         if not _is_real(p.min_p) or not 0 <= p.min_p <= 1:
             raise _fail("min_p", "in [0, 1]", p.min_p)

@@ -48,6 +48,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         help="seconds an idle connection is kept open, between requests or "
                              "before its first (uvicorn's keep-alive timeout; default: "
                              "%(default)s)")
+    limits.add_argument("--timeout-request-read", type=float,
+                        default=_DEFAULTS.timeout_request_read_s,
+                        help="seconds a request may take to arrive whole (headers and body) "
+                             "from its first byte; then its connection is closed (default: "
+                             "%(default)s)")
     limits.add_argument("--limit-concurrency", type=int, default=_DEFAULTS.limit_concurrency,
                         help="uvicorn answers new requests with a plain 503 while this many "
                              "connections are open or requests in flight (default: "

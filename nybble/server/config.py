@@ -35,6 +35,8 @@ class ServerConfig:
         max_seqs_per_request: prompts x ``n`` of one request at most (400 beyond).
         timeout_keep_alive_s: an idle connection (between requests, or before its first)
             is closed after this many seconds.
+        timeout_request_read_s: a request whose headers and body have not all arrived this
+            many seconds after its first byte has its connection closed (slowloris).
         limit_concurrency: uvicorn answers 503 (plain text) to new requests while this many
             connections are open or requests are in flight.
         api_threads: worker threads for tokenization, chat templates and logprob rendering.
@@ -54,6 +56,7 @@ class ServerConfig:
     max_num_waiting_requests: int = 1024
     max_seqs_per_request: int = 1024
     timeout_keep_alive_s: float = 5.0
+    timeout_request_read_s: float = 30.0
     limit_concurrency: int = 4096
     api_threads: int = 4
 
@@ -69,9 +72,9 @@ class ServerConfig:
                      "max_seqs_per_request", "limit_concurrency", "api_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
-        if not self.timeout_keep_alive_s > 0:
-            raise ValueError(f"timeout_keep_alive_s must be > 0, got "
-                             f"{self.timeout_keep_alive_s!r}")
+        for name in ("timeout_keep_alive_s", "timeout_request_read_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
 
     @property
     def url(self) -> str:
@@ -91,4 +94,5 @@ class ServerConfig:
                    max_num_waiting_requests=args.max_num_waiting_requests,
                    max_seqs_per_request=args.max_seqs_per_request,
                    timeout_keep_alive_s=args.timeout_keep_alive,
+                   timeout_request_read_s=args.timeout_request_read,
                    limit_concurrency=args.limit_concurrency, api_threads=args.api_threads)

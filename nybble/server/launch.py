@@ -115,7 +115,7 @@ async def _serve(client: CoreClient, sock: socket.socket, engine_config: EngineC
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
                             timeout_keep_alive=server_config.timeout_keep_alive_s,
                             limit_concurrency=server_config.limit_concurrency,
-                            http=idle_timeout_protocol())
+                            http=idle_timeout_protocol(server_config.timeout_request_read_s))
     server = _server_class()(config, startup)
     serving = asyncio.create_task(server.serve(sockets=[sock]))
     handshake = asyncio.ensure_future(client.wait_ready())

@@ -190,7 +190,7 @@ class ContentPart(RequestModel):
     read text only): :class:`ChatMessage` refuses any other ``type`` with a 400 naming it."""
 
     type: str = Field("text", json_schema_extra={"enum": ["text"]})
-    text: str = ""
+    text: str   # required, as in OpenAI's text part: a part without it is a 400
 
 
 class ChatMessage(RequestModel):

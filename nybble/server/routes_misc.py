@@ -1,4 +1,4 @@
-"""Small routes: ``/v1/models``, ``/health``, ``/version``, ``/tokenize``, ``/detokenize``,
+"""Small routes: ``/v1/models`` (and ``/v1/models/{id}``), ``/health`` (GET and HEAD), ``/version``, ``/tokenize``, ``/detokenize``,
 ``/metrics`` (Prometheus) and ``/internal/stats`` (the engine's counters, for tests and ops)."""
 from __future__ import annotations
 
@@ -31,12 +31,24 @@ _BODY_ERRORS = error_responses(400, 401, 404, 413, 500, 503)
 @v1_router.get("/v1/models")
 async def list_models(request: Request) -> ModelList:
     """The one served model (``root`` is the model folder's name, never its path)."""
+    return ModelList(data=[_card(get_state(request))])
+
+
+@v1_router.get("/v1/models/{model:path}", responses=error_responses(404))
+async def retrieve_model(model: str, request: Request) -> ModelCard:
+    """One model by its id (OpenAI's ``models.retrieve``): the served model's card, or a 404
+    (``model_not_found``) for any other id."""
     state = get_state(request)
-    return ModelList(data=[ModelCard(id=state.model_name, root=state.model_path,
-                                     max_model_len=state.max_model_len)])
+    state.check_model(model)
+    return _card(state)
 
 
-@router.get("/health", response_class=Response,
+def _card(state: ServerState) -> ModelCard:
+    return ModelCard(id=state.model_name, root=state.model_path,
+                     max_model_len=state.max_model_len)
+
+
+@router.api_route("/health", methods=["GET", "HEAD"], response_class=Response,
             responses={200: {"description": "The engine can serve."},
                                   503: {"description": "Starting, shutting down, or the "
                                                        "engine is gone (restart it)."}})

@@ -53,7 +53,7 @@ PROMPT = [1, 5, 9, 200]
     ("top_p", 0.0, "top_p", "top_p must be in (0, 1], got 0.0"),
     ("top_p", 1.5, "top_p", "got 1.5"),
     ("top_p", math.nan, "top_p", "got nan"),
-    ("top_k", -2, "top_k", ("top_k must be -1 (disabled) or an integer in [1, 512] (the "
+    ("top_k", -2, "top_k", ("top_k must be -1 or 0 (disabled) or an integer in [1, 512] (the "
                             "vocabulary), got -2")),
     ("top_k", 513, "top_k", "in [1, 512] (the vocabulary), got 513"),
     ("top_k", 2**63, "top_k", f"got {2**63}"),

@@ -31,7 +31,7 @@ def app_url() -> Iterator[str]:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    config = uvicorn.Config(app, log_level="critical", http=idle_timeout_protocol(),
+    config = uvicorn.Config(app, log_level="critical", http=idle_timeout_protocol(30.0),
                             timeout_keep_alive=30)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])),

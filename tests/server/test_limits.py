@@ -1,5 +1,6 @@
 """Resource limits, on a server started with small ones: body size (413), prompts x n (400),
-admission control (503 with Retry-After), idle connections closed, a client that leaves
+admission control (503 with Retry-After), idle connections and requests that never arrive
+whole closed, a client that leaves
 before its request's first step, and a chat template that raises (400, not 500)."""
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 BODY_LIMIT = 4096
 KEEP_ALIVE_S = 1.0
+REQUEST_READ_S = 1.5
 TEMPLATE = (
     "{%- if messages | length > 1 and messages[0]['role'] == messages[1]['role'] -%}"
     "{{ raise_exception('Conversation roles must alternate user/assistant/user/...') }}"
@@ -43,7 +45,8 @@ def limited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     proc, url = start_server(root / "serve.log", str(model), "--max-num-seqs", "4",
                              "--max-num-waiting-requests", "4", "--max-seqs-per-request", "8",
                              "--max-request-body-bytes", str(BODY_LIMIT),
-                             "--timeout-keep-alive", str(KEEP_ALIVE_S))
+                             "--timeout-keep-alive", str(KEEP_ALIVE_S),
+                             "--timeout-request-read", str(REQUEST_READ_S))
     try:
         yield Server(url=url, api_key="", log_path=root / "serve.log", pid=proc.pid)
     finally:
@@ -112,6 +115,39 @@ def test_idle_connection_is_closed(limited: Server) -> None:
         t0 = time.monotonic()
         assert idle.recv(1) == b""                       # closed by the server, no request
         assert time.monotonic() - t0 < 10 * KEEP_ALIVE_S + 5
+
+
+@pytest.mark.parametrize("part", [
+    b"P",                                                                   # one byte
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n",                    # no blank line
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    b"Content-Length: 100\r\n\r\n{\"prompt\": ",                         # short body
+], ids=["one-byte", "partial-headers", "partial-body"])
+def test_a_request_that_never_arrives_whole_is_closed(limited: Server, part: bytes) -> None:
+    """A client that sends part of a request and then nothing, or drips it a byte at a time,
+    loses its connection --timeout-request-read seconds after the first byte (slowloris);
+    the server serves others meanwhile and after."""
+    host, port = limited.url.removeprefix("http://").split(":")
+    bound = 10 * REQUEST_READ_S + 5
+    with socket.create_connection((host, int(port))) as slow:
+        slow.settimeout(bound)
+        t0 = time.monotonic()
+        slow.sendall(part)
+        with httpx.Client(base_url=limited.url, timeout=30) as c:   # others are served
+            assert c.get("/health").status_code == 200
+        try:
+            while time.monotonic() - t0 < bound:   # drip: each byte must not extend the time
+                slow.sendall(b" ")
+                time.sleep(0.25)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        else:
+            raise AssertionError("the connection was still open")
+        elapsed = time.monotonic() - t0
+    assert REQUEST_READ_S - 0.5 < elapsed < bound
+    with httpx.Client(base_url=limited.url, timeout=30) as c:
+        r = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+        assert r.status_code == 200
 
 
 def test_client_gone_before_the_first_step_is_aborted(limited: Server) -> None:

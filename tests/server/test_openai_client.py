@@ -28,6 +28,15 @@ def test_models_lists_the_served_model(client: openai.OpenAI) -> None:
     assert [m.id for m in models] == ["stories260k"]
 
 
+def test_models_retrieve_gives_the_card_or_404(server: Server, client: openai.OpenAI) -> None:
+    assert client.models.retrieve("stories260k") == client.models.list().data[0]
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("gpt-4")
+    assert info.value.body["code"] == "model_not_found"   # type: ignore[index]
+    with server.http() as c:
+        assert c.head("/health").status_code == 200
+
+
 def test_completion_usage_and_finish_reason(server: Server, client: openai.OpenAI) -> None:
     out = client.completions.create(model="stories260k", prompt=PROMPT, max_tokens=12,
                                     extra_body={"ignore_eos": True}, **GREEDY)

@@ -101,6 +101,14 @@ def test_content_parts_other_than_text_are_refused_by_type(part: str) -> None:
     assert ok.messages[0].text() == "ab"
 
 
+def test_a_text_part_needs_its_text() -> None:
+    for model in (ChatCompletionRequest, TokenizeRequest):
+        with pytest.raises(ValidationError) as info:
+            model.model_validate({"messages": [{"role": "user", "content": [{"type": "text"}]}]})
+        assert any(e["type"] == "missing" and e["loc"][-1] == "text"
+                   for e in info.value.errors())
+
+
 def test_stream_options_need_stream() -> None:
     with pytest.raises(ValidationError, match="stream_options is only allowed with stream"):
         CompletionRequest.model_validate({"prompt": "Hi",

@@ -179,8 +179,10 @@ def test_aborted_and_rejected_requests_in_the_metrics(server: Server) -> None:
     aborted = server.metric("nybble:request_success_total", finished_reason="abort")
     with server.http() as c:
         assert c.post("/v1/completions", json={**GREEDY, "temperature": -1}).status_code == 400
+        # NOTE: n=16 keeps the request running well past the client's leaving (one 400-token
+        # sequence takes ~0.1 s on the fused CPU step, about the disconnect poll's period)
         with c.stream("POST", "/v1/completions",
-                      json={**GREEDY, "max_tokens": 400, "ignore_eos": True,
+                      json={**GREEDY, "max_tokens": 400, "n": 16, "ignore_eos": True,
                             "stream": True}) as r:
             next(line for line in r.iter_lines() if line.startswith("data: "))
     server.wait_idle()
