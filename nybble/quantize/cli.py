@@ -99,7 +99,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     q.add_argument("--bits", type=int, choices=[4, 8], default=4, help="weight bits")
     q.add_argument("--group-size", type=int, default=128,
                    help="input channels sharing one scale/zero point (-1: per output channel)")
-    q.add_argument("--sym", action="store_true", help="symmetric grid (RTN/GPTQ)")
+    q.add_argument("--sym", action="store_true",
+                   help="symmetric grid (RTN/GPTQ/GPTQ-E2E), written as AutoGPTQ's v1 "
+                        "gptq; without it, gptq_v2 (GPTQModel's)")
     q.add_argument("--desc-act", action=argparse.BooleanOptionalAction, default=None,
                    help="GPTQ act order (default: on for gptq-e2e, off for gptq)")
     q.add_argument("--static-groups", action="store_true", help="GPTQ static groups")

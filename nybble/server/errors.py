@@ -109,15 +109,29 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return "invalid request: " + "; ".join(parts), param
 
 
+def _is_json(content_type: str) -> bool:
+    """Whether FastAPI reads a body of ``content_type`` as JSON (``application/json`` or a
+    ``+json`` subtype)."""
+    mime = content_type.split(";")[0].strip().lower()
+    return mime == "application/json" or (mime.startswith("application/")
+                                          and mime.endswith("+json"))
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Register the exception -> OpenAI error body handlers on ``app``."""
 
     async def on_nybble(_: Request, exc: Exception) -> JSONResponse:
         return response_for(exc)
 
-    async def on_validation(_: Request, exc: Exception) -> JSONResponse:
+    async def on_validation(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
         message, param = _validation_message(exc)
+        ctype = request.headers.get("content-type")
+        if ctype is not None and not _is_json(ctype) and \
+                any(tuple(e.get("loc", ())) == ("body",) for e in exc.errors()):
+            # NOTE: FastAPI parses JSON only under a JSON content type (curl -d sends a form)
+            message = ("the request body must be a JSON object sent with Content-Type: "
+                       f"application/json, got Content-Type {ctype!r}")
         return error_response(400, message, param=param)
 
     async def on_http(_: Request, exc: Exception) -> JSONResponse:

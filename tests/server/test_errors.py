@@ -1,6 +1,7 @@
 """Bad inputs get their status and an OpenAI error body; the server keeps serving."""
 from __future__ import annotations
 
+import json
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -169,3 +170,16 @@ def test_busy_port_fails_fast_with_one_line(server: Server) -> None:
     assert proc.returncode == 2
     assert f"cannot listen on 127.0.0.1:{port}" in proc.stderr
     assert "serving" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("ctype", ["application/x-www-form-urlencoded", "text/plain"])
+def test_json_under_another_content_type_names_the_content_type(server: Server,
+                                                                ctype: str) -> None:
+    """``curl -d`` without ``-H 'Content-Type: application/json'`` sends a form: the 400 says
+    what to change, not only that the body is not an object."""
+    with server.http() as c:
+        r = c.post("/v1/completions", content=json.dumps(OK_BODY),
+                   headers={"Content-Type": ctype})
+    assert r.status_code == 400
+    message = r.json()["error"]["message"]
+    assert "Content-Type: application/json" in message and ctype in message
