@@ -9,6 +9,7 @@ core connects to (the core connects only after its torch import, long after they
 """
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 import subprocess
@@ -18,6 +19,11 @@ from dataclasses import dataclass
 
 from nybble.config import EngineConfig
 from nybble.runtime.messages import encode_config
+
+FOLDER_PREFIX = "nybble-core-"
+OWNER_FILE = "owner.pid"
+"""In each socket folder: the pid of the API process that made it (see
+:func:`sweep_stale_folders`)."""
 
 
 @dataclass(frozen=True)
@@ -48,7 +54,9 @@ def spawn_core(config: EngineConfig, log_level: str = "INFO") -> CoreProcess:
     Raises:
         OSError: the process could not be started.
     """
-    folder = tempfile.mkdtemp(prefix="nybble-core-")
+    folder = tempfile.mkdtemp(prefix=FOLDER_PREFIX)
+    with open(os.path.join(folder, OWNER_FILE), "w") as f:
+        f.write(str(os.getpid()))
     in_addr, out_addr = f"ipc://{folder}/input", f"ipc://{folder}/output"
     cmd = [sys.executable, "-m", "nybble.runtime.core_process", "--input-address", in_addr,
            "--output-address", out_addr, "--parent-pid", str(os.getpid()),
@@ -60,4 +68,34 @@ def spawn_core(config: EngineConfig, log_level: str = "INFO") -> CoreProcess:
     except OSError:
         shutil.rmtree(folder, ignore_errors=True)
         raise
+    sweep_stale_folders()   # NOTE: after the spawn, while the core imports torch
     return CoreProcess(proc, folder, in_addr, out_addr)
+
+
+def sweep_stale_folders() -> list[str]:
+    """Remove the socket folders that earlier ``nybble serve`` processes could not (killed by
+    SIGKILL, their core with them): a folder in the temporary directory whose
+    :data:`OWNER_FILE` names a process that no longer exists. Folders of live processes, of
+    other users (unreadable) and without an owner file are left alone. Returns the removed
+    paths."""
+    removed = []
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), FOLDER_PREFIX + "*")):
+        try:
+            with open(os.path.join(path, OWNER_FILE)) as f:
+                pid = int(f.read())
+        except (OSError, ValueError):
+            continue
+        if pid > 0 and not _process_exists(pid):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:   # another user's process
+        return True
+    return True

@@ -17,6 +17,8 @@ from typing import Any
 import httpx
 import pytest
 
+from nybble.runtime.core_spawn import OWNER_FILE, sweep_stale_folders
+
 from tests.server.conftest import (
     Server,
     _free_port,
@@ -125,15 +127,25 @@ def test_core_death_fails_requests_and_turns_unhealthy(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
 def test_the_core_never_outlives_the_api_process(tmp_path: Path, sig: int) -> None:
+    """... and its socket folder goes: at shutdown, or (SIGKILL) at the next start-up's sweep."""
     proc, _ = start_server(tmp_path / "serve.log")
     try:
         core = core_pid(proc.pid)
+        with open(f"/proc/{core}/cmdline", "rb") as f:
+            args = f.read().decode().split("\0")
+        folder = os.path.dirname(args[args.index("--input-address") + 1].removeprefix("ipc://"))
+        with open(os.path.join(folder, OWNER_FILE)) as f:
+            assert int(f.read()) == proc.pid
         os.kill(proc.pid, sig)
         proc.wait(timeout=EXIT_BOUND_S)
         assert _wait_gone(core), "the engine core outlived the API process"
     finally:
         stop_server(proc)
     assert proc.returncode == (0 if sig == signal.SIGTERM else -signal.SIGKILL)
+    if sig == signal.SIGKILL:   # no chance to clean up: the next `nybble serve` sweeps it
+        assert os.path.isdir(folder)
+        assert folder in sweep_stale_folders()
+    assert not os.path.exists(folder)
 
 
 @pytest.mark.slow
