@@ -32,11 +32,11 @@ if TYPE_CHECKING:
     from nybble.models.llama import LlamaForCausalLM
 
 MAX_FUSED_TOKENS = 32
-"""Most tokens (rows) a step of a model that is not small may have to run fused. Measured on the 2-core dev machine (one thread,
-offline greedy decode, fused vs torch tokens/s): stories260k 3,570 vs 630 at 1 sequence,
-14,100 vs 5,800 at 16, 16,800 vs 14,500 at 64; stories3m 700 vs 370 at 1, 3,000 vs 2,300 at
-16, about even at 64 and 3,100 vs 5,000 at 256; the 134M-shape Llama 84 vs 51 at 4, 133 vs
-119 at 16, 87 vs 130 at 64."""
+"""Most tokens (rows) a step of a model that is not small may have to run fused. Measured on the
+2-core dev machine (one thread, offline greedy decode, fused vs torch tokens/s): stories260k
+3,570 vs 630 at 1 sequence, 14,100 vs 5,800 at 16, 16,800 vs 14,500 at 64; stories3m 700 vs 370
+at 1, 3,000 vs 2,300 at 16, about even at 64 and 3,100 vs 5,000 at 256; the 134M-shape Llama 84
+vs 51 at 4, 133 vs 119 at 16, 87 vs 130 at 64."""
 SMALL_MODEL_BYTES = 4 * 2**20
 """Linear-weight bytes up to which a model runs every step fused (the bundled model: 0.9 MB)."""
 

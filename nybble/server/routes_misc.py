@@ -1,5 +1,6 @@
-"""Small routes: ``/v1/models`` (and ``/v1/models/{id}``), ``/health`` (GET and HEAD), ``/version``, ``/tokenize``, ``/detokenize``,
-``/metrics`` (Prometheus) and ``/internal/stats`` (the engine's counters, for tests and ops)."""
+"""Small routes: ``/v1/models`` (and ``/v1/models/{id}``), ``/health`` (GET and HEAD),
+``/version``, ``/tokenize``, ``/detokenize``, ``/metrics`` (Prometheus) and ``/internal/stats``
+(the engine's counters, for tests and ops)."""
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request, Response
@@ -49,9 +50,9 @@ def _card(state: ServerState) -> ModelCard:
 
 
 @router.api_route("/health", methods=["GET", "HEAD"], response_class=Response,
-            responses={200: {"description": "The engine can serve."},
-                                  503: {"description": "Starting, shutting down, or the "
-                                                       "engine is gone (restart it)."}})
+                  responses={200: {"description": "The engine can serve."},
+                             503: {"description": "Starting, shutting down, or the engine is "
+                                                  "gone (restart it)."}})
 async def health(request: Request) -> Response:
     """200 while the engine core process runs and can step, 503 otherwise (still starting,
     dead core, repeated step failures, shutting down)."""
