@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import ray   # the test extra installs it (pip install -e ".[test]")
 
 from nybble.config import DEFAULT_MODEL
 from tests.distributed.test_tp_generate import greedy_tokens
@@ -10,7 +11,6 @@ from tests.distributed.test_tp_generate import greedy_tokens
 
 @pytest.mark.slow
 def test_ray_executor_gives_the_same_tokens_as_mp(monkeypatch):
-    ray = pytest.importorskip("ray", reason="the ray extra: pip install 'nybble[ray]'")
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")     # a throwaway local cluster
     mp = greedy_tokens(DEFAULT_MODEL, 2, distributed_executor_backend="mp")
