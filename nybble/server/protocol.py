@@ -206,11 +206,17 @@ class ChatMessage(RequestModel):
         # NOTE: here rather than on ContentPart, so the 400 says only this (not also why
         # the list is not a string)
         parts = data.get("content") if isinstance(data, dict) else None
+        if parts == []:
+            raise ValueError("content must be a string or a non-empty list of text parts, "
+                             "got []")
         for part in parts if isinstance(parts, list) else ():
             kind = part.get("type", "text") if isinstance(part, dict) else "text"
             if kind != "text":
                 raise ValueError(f"content part type must be 'text' (nybble serves text-only "
                                  f"models), got {kind!r}")
+            if isinstance(part, dict) and not isinstance(part.get("text"), str):
+                raise ValueError(f"a content part of type 'text' needs a 'text' string, got "
+                                 f"{part.get('text')!r}")
         return data
 
     def text(self) -> str:

@@ -101,12 +101,18 @@ def test_content_parts_other_than_text_are_refused_by_type(part: str) -> None:
     assert ok.messages[0].text() == "ab"
 
 
-def test_a_text_part_needs_its_text() -> None:
+@pytest.mark.parametrize("content,match", [
+    ([{"type": "text"}], "needs a 'text' string, got None"),
+    ([{"type": "text", "text": None}], "needs a 'text' string, got None"),
+    ([{"type": "text", "text": 5}], "needs a 'text' string, got 5"),
+    ([], "non-empty list of text parts, got \\[\\]"),
+])
+def test_a_text_part_needs_its_text_and_a_list_a_part(content: list, match: str) -> None:
     for model in (ChatCompletionRequest, TokenizeRequest):
-        with pytest.raises(ValidationError) as info:
-            model.model_validate({"messages": [{"role": "user", "content": [{"type": "text"}]}]})
-        assert any(e["type"] == "missing" and e["loc"][-1] == "text"
-                   for e in info.value.errors())
+        with pytest.raises(ValidationError, match=match) as info:
+            model.model_validate({"messages": [{"role": "user", "content": content}]})
+        (error,) = info.value.errors()   # one readable message, not pydantic's union list
+        assert error["loc"][0] == "messages"
 
 
 def test_stream_options_need_stream() -> None:
