@@ -17,8 +17,13 @@ A quantized cache (:mod:`nybble.kernels.kv_quant`) comes with the layer's per-he
 key's scale multiplies its dot product once, a value's scale its probability. An ``int8``
 cache is read as ``int8`` (the conversion vectorises); an ``fp8_e4m3`` cache as its bytes
 (``uint8``) through a 256-entry table of what each byte stands for.
+
+A sliding-window layer passes ``window``: the walk starts at position ``seq_len - window``
+(transformers' rule: a query sees the last ``window`` positions, itself included), so its cost
+is the window's, not the sequence's. ``softcap`` > 0 caps each scaled score to
+``c * tanh(s / c)`` (Gemma 2).
 """
-from libc.math cimport expf, INFINITY
+from libc.math cimport expf, tanhf, INFINITY
 from libc.stdint cimport int8_t, int32_t, uint8_t
 
 ctypedef fused cache_t:
@@ -35,7 +40,9 @@ def paged_decode_attention(const float[:, :, :] query,
                            float[:, :, ::1] out,
                            float[::1] scratch,
                            const float[:, ::1] kv_scale=None,
-                           const float[::1] byte_values=None):
+                           const float[::1] byte_values=None,
+                           Py_ssize_t window=0,
+                           float softcap=0.0):
     """``out[b] = softmax(query[b] k^T * scale) v`` over sequence ``b``'s cached keys/values.
 
     Args:
@@ -52,6 +59,8 @@ def paged_decode_attention(const float[:, :, :] query,
         kv_scale: ``[2, Hkv]`` float32 per-head scales (keys, values); int8/uint8 caches.
         byte_values: ``[256]`` float32, the value each byte stands for (float8 e4m3
             decoded); uint8 caches only.
+        window: a sliding-window layer's window (tokens, ``> 0``), or 0 (every position).
+        softcap: ``c`` of the scores' soft-capping ``c * tanh(s / c)``, or 0 (none).
 
     Raises:
         ValueError: shapes that do not fit together, a ``scratch`` too small, an int8 / uint8
@@ -106,27 +115,34 @@ def paged_decode_attention(const float[:, :, :] query,
     cdef Py_ssize_t q_seq = query.strides[0] // sizeof(float)
     cdef Py_ssize_t q_head = query.strides[1] // sizeof(float)
     cdef const int32_t* table
+    cdef Py_ssize_t start
     with nogil:
         for b in range(batch):
             table = &block_tables[b, 0]
+            start = first(seq_lens[b], window)
             # NOTE: constant head dims let the compiler specialise (unroll, vectorise) the
             # inner loops of its copy of _one_sequence.
             if head_dim == 8:
-                _one_sequence(queries + b * q_seq, q_head, keys, values, table, seq_lens[b],
-                              block_size, num_heads, num_kv_heads, 8, scale, &out[b, 0, 0],
-                              work, k_scale, v_scale, lut)
+                _one_sequence(queries + b * q_seq, q_head, keys, values, table, start,
+                              seq_lens[b], block_size, num_heads, num_kv_heads, 8, scale,
+                              &out[b, 0, 0], work, k_scale, v_scale, lut, softcap)
             elif head_dim == 64:
-                _one_sequence(queries + b * q_seq, q_head, keys, values, table, seq_lens[b],
-                              block_size, num_heads, num_kv_heads, 64, scale, &out[b, 0, 0],
-                              work, k_scale, v_scale, lut)
+                _one_sequence(queries + b * q_seq, q_head, keys, values, table, start,
+                              seq_lens[b], block_size, num_heads, num_kv_heads, 64, scale,
+                              &out[b, 0, 0], work, k_scale, v_scale, lut, softcap)
             elif head_dim == 128:
-                _one_sequence(queries + b * q_seq, q_head, keys, values, table, seq_lens[b],
-                              block_size, num_heads, num_kv_heads, 128, scale, &out[b, 0, 0],
-                              work, k_scale, v_scale, lut)
+                _one_sequence(queries + b * q_seq, q_head, keys, values, table, start,
+                              seq_lens[b], block_size, num_heads, num_kv_heads, 128, scale,
+                              &out[b, 0, 0], work, k_scale, v_scale, lut, softcap)
             else:
-                _one_sequence(queries + b * q_seq, q_head, keys, values, table, seq_lens[b],
-                              block_size, num_heads, num_kv_heads, head_dim, scale,
-                              &out[b, 0, 0], work, k_scale, v_scale, lut)
+                _one_sequence(queries + b * q_seq, q_head, keys, values, table, start,
+                              seq_lens[b], block_size, num_heads, num_kv_heads, head_dim, scale,
+                              &out[b, 0, 0], work, k_scale, v_scale, lut, softcap)
+
+
+cdef inline Py_ssize_t first(Py_ssize_t length, Py_ssize_t window) noexcept nogil:
+    """The first position a query at ``length - 1`` sees (0 without a window)."""
+    return length - window if 0 < window < length else 0
 
 
 cdef inline float _value(cache_t x, const float* lut) noexcept nogil:
@@ -138,22 +154,25 @@ cdef inline float _value(cache_t x, const float* lut) noexcept nogil:
 
 
 cdef inline void _one_sequence(const float* query, Py_ssize_t q_head, const cache_t* keys,
-                               const cache_t* values, const int32_t* table, Py_ssize_t length,
+                               const cache_t* values, const int32_t* table, Py_ssize_t start,
+                               Py_ssize_t end,
                                Py_ssize_t block_size, Py_ssize_t num_heads,
                                Py_ssize_t num_kv_heads, Py_ssize_t head_dim, float scale,
                                float* out, float* work, const float* k_scale,
-                               const float* v_scale, const float* lut) noexcept nogil:
+                               const float* v_scale, const float* lut,
+                               float softcap) noexcept nogil:
     """One sequence: ``out [Hq, D]`` (C-contiguous) from ``query`` (head ``h`` at
-    ``query + h * q_head``) over its ``length`` cached positions; ``work`` holds
-    ``Hq * (length + D + 1)`` floats. A byte cache is read through ``lut`` and the per-head
-    ``k_scale`` / ``v_scale``."""
+    ``query + h * q_head``) over its cached positions ``[start, end)``; ``work`` holds
+    ``Hq * (end - start + D + 1)`` floats. A byte cache is read through ``lut`` and the
+    per-head ``k_scale`` / ``v_scale``."""
+    cdef Py_ssize_t length = end - start
     cdef Py_ssize_t group = num_heads // num_kv_heads
     cdef Py_ssize_t slot_stride = num_kv_heads * head_dim     # floats between two positions
     cdef Py_ssize_t block_stride = block_size * slot_stride
     cdef float* scores = work                                 # [Hq, L]
     cdef float* acc = work + num_heads * length               # [Hq, D]
     cdef float* denom = acc + num_heads * head_dim            # [Hq]
-    cdef Py_ssize_t h, t, d, j, i, n, offset
+    cdef Py_ssize_t h, t, d, j, i, n, offset, pos, i0
     cdef const float* q
     cdef const cache_t* k
     cdef const cache_t* v
@@ -163,9 +182,12 @@ cdef inline void _one_sequence(const float* query, Py_ssize_t q_head, const cach
     # pass 1: every query head against every key; a position's [Hkv, D] keys are contiguous,
     # so each is read once
     t = 0
-    for j in range((length + block_size - 1) // block_size):
-        offset = table[j] * block_stride
-        n = min(block_size, length - t)
+    pos = start
+    while pos < end:
+        j = pos // block_size
+        i0 = pos - j * block_size
+        n = min(block_size - i0, end - pos)
+        offset = table[j] * block_stride + i0 * slot_stride
         for i in range(n):
             k = keys + offset + i * slot_stride
             for h in range(num_heads):
@@ -176,8 +198,12 @@ cdef inline void _one_sequence(const float* query, Py_ssize_t q_head, const cach
                     s = s + q[d] * _value(v[d], lut)
                 if cache_t is not float:
                     s = s * k_scale[h // group]
-                scores[h * length + t + i] = s * scale
+                s = s * scale
+                if softcap > 0.0:
+                    s = softcap * tanhf(s / softcap)
+                scores[h * length + t + i] = s
         t = t + n
+        pos = pos + n
     # pass 2: softmax numerators and their sums, per query head
     for h in range(num_heads):
         row = scores + h * length
@@ -195,9 +221,12 @@ cdef inline void _one_sequence(const float* query, Py_ssize_t q_head, const cach
             acc[h * head_dim + d] = 0.0
     # pass 3: probability-weighted values, position by position
     t = 0
-    for j in range((length + block_size - 1) // block_size):
-        offset = table[j] * block_stride
-        n = min(block_size, length - t)
+    pos = start
+    while pos < end:
+        j = pos // block_size
+        i0 = pos - j * block_size
+        n = min(block_size - i0, end - pos)
+        offset = table[j] * block_stride + i0 * slot_stride
         for i in range(n):
             v = values + offset + i * slot_stride
             for h in range(num_heads):
@@ -209,6 +238,7 @@ cdef inline void _one_sequence(const float* query, Py_ssize_t q_head, const cach
                 for d in range(head_dim):
                     a[d] = a[d] + p * _value(k[d], lut)
         t = t + n
+        pos = pos + n
     for h in range(num_heads):
         for d in range(head_dim):
             out[h * head_dim + d] = acc[h * head_dim + d] / denom[h]

@@ -83,10 +83,13 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float,
-                kv_scale: torch.Tensor | None = None) -> torch.Tensor:
-        """Causal paged attention, ``[T, Hq, D] -> [T, Hq, D]`` (see the protocol)."""
+                kv_scale: torch.Tensor | None = None, window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
+        """Causal paged attention, ``[T, Hq, D] -> [T, Hq, D]`` (see the protocol; ``window``
+        and ``softcap`` as in :func:`~nybble.kernels.reference_attention.paged_attention`)."""
         if not self._uses_kernel(meta, kv_cache) or query.dtype != torch.float32:
-            return super().forward(query, kv_cache, meta, scale, kv_scale)
+            return super().forward(query, kv_cache, meta, scale, kv_scale, window, softcap)
+        extra = {"window": window or 0, "softcap": softcap or 0.0}
         plan = self._kernel_plan(meta)
         num_tokens, num_heads, head_dim = query.shape
         need = num_heads * (meta.max_seq_len + head_dim + 1)
@@ -95,7 +98,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         out = torch.empty(num_tokens, num_heads, head_dim)
         if kv_cache.dtype == torch.float32:
             paged_decode_attention(query.numpy(), kv_cache.numpy(), plan.block_tables,
-                                   plan.seq_lens, scale, out.numpy(), self._scratch)
+                                   plan.seq_lens, scale, out.numpy(), self._scratch, **extra)
             return out
         if kv_scale is None:
             raise ValueError(f"kv_scale must be a [2, Hkv] float32 tensor for a "
@@ -106,7 +109,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
                                (kv_cache.view(torch.uint8) if fp8 else kv_cache).numpy(),
                                plan.block_tables, plan.seq_lens, scale, out.numpy(),
                                self._scratch, kv_scale.contiguous().numpy(),
-                               _byte_values(kv_cache.dtype) if fp8 else None)
+                               _byte_values(kv_cache.dtype) if fp8 else None, **extra)
         return out
 
 

@@ -11,11 +11,17 @@ take a path of four ops: one gather of their keys/values laid out ``[B * Hkv, S,
 ``softmax(q k^T * scale + mask) v`` as two batched GEMMs (the query heads of one KV head are
 the rows of one GEMM: GQA without copying K/V). Prefill chunks are padded to their group's
 longest chunk and run through ``scaled_dot_product_attention`` with a causal mask.
+
+A sliding-window layer (Mistral, Gemma, ...) sees only the last ``window`` positions up to
+its own (transformers' rule: key ``j`` is visible to query ``i`` iff ``i - window < j <= i``):
+the step's masks restricted to the window are derived once per window size
+(:func:`windowed_plan`). Soft-capping (Gemma 2: ``c * tanh(s / c)`` on the scaled scores)
+computes the scores explicitly instead of through ``scaled_dot_product_attention``.
 """
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -75,12 +81,14 @@ class DecodePlan:
         bias: ``[Bd * Hkv, 1, S]`` float32 additive mask: 0 for key positions
             ``< seq_len``, ``-inf`` past it.
         max_seq_len: ``S`` (tokens).
+        seq_lens: ``[Bd]`` int64 length of each decode sequence.
     """
 
     tokens: torch.Tensor | None
     kv_rows: torch.Tensor
     bias: torch.Tensor
     max_seq_len: int
+    seq_lens: torch.Tensor
 
 
 @dataclass(slots=True)
@@ -95,6 +103,7 @@ class PrefillPlan:
             reads; past a sequence's length they read slot 0 (masked).
         allowed: ``[Bp, 1, max_q, S]`` bool causal mask.
         batch, max_query_len, max_seq_len: ``Bp``, ``max_q``, ``S``.
+        q_pos: ``[Bp, max_q]`` int64 absolute position of each (padded) query row.
     """
 
     tokens: torch.Tensor | None
@@ -104,16 +113,20 @@ class PrefillPlan:
     batch: int
     max_query_len: int
     max_seq_len: int
+    q_pos: torch.Tensor
 
 
 @dataclass(slots=True)
 class AttentionPlan:
     """``meta.plan`` of the torch backend: one step's decode and prefill groups, and which
-    tokens write the cache (``write_rows``: all when ``None``; ``-1`` slots are skipped)."""
+    tokens write the cache (``write_rows``: all when ``None``; ``-1`` slots are skipped);
+    ``windowed``: the same plan with masks restricted to a sliding window, by window size
+    (made on first use, :func:`windowed_plan`)."""
 
     decode: DecodePlan | None
     prefill: PrefillPlan | None
     write_rows: torch.Tensor | None
+    windowed: dict[int, AttentionPlan] = field(default_factory=dict)
 
 
 _ARANGE: dict[torch.device, torch.Tensor] = {}
@@ -168,7 +181,8 @@ def _plan_decode(meta: AttentionMetadata, group: torch.Tensor | None, kv_cache: 
     kv_rows = rows.view(batch, num_kv_heads, nb * block_size)[:, :, :max_seq_len].reshape(-1)
     masked = _arange(max_seq_len, base.device) >= seq_lens.view(batch, 1, 1, 1)
     bias = torch.where(masked, float("-inf"), 0.0).expand(batch, num_kv_heads, 1, max_seq_len)
-    return DecodePlan(tokens, kv_rows, bias.reshape(-1, 1, max_seq_len), max_seq_len)
+    return DecodePlan(tokens, kv_rows, bias.reshape(-1, 1, max_seq_len), max_seq_len,
+                      seq_lens.long())
 
 
 def _plan_prefill(meta: AttentionMetadata, group: torch.Tensor | None, q_lens: torch.Tensor,
@@ -192,7 +206,7 @@ def _plan_prefill(meta: AttentionMetadata, group: torch.Tensor | None, q_lens: t
         (k_pos[None, None, :] < seq_lens[:, None, None])  # [Bp, max_q, S]
     return PrefillPlan(tokens, seq_of_row * max_q + row_in_seq,
                        _slots(tables, max_s, kv_cache.shape[2]), allowed[:, None], batch,
-                       max_q, max_s)
+                       max_q, max_s, q_pos)
 
 
 def plan_attention(meta: AttentionMetadata, kv_cache: torch.Tensor) -> AttentionPlan:
@@ -209,6 +223,34 @@ def plan_attention(meta: AttentionMetadata, kv_cache: torch.Tensor) -> Attention
     return AttentionPlan(_plan_decode(meta, is_decode.nonzero().flatten(), kv_cache),
                          _plan_prefill(meta, (~is_decode).nonzero().flatten(), q_lens, kv_cache),
                          rows)
+
+
+def windowed_plan(plan: AttentionPlan, window: int) -> AttentionPlan:
+    """``plan`` with every mask restricted to the last ``window`` positions (a query at
+    position ``i`` sees keys ``i - window < j <= i``); cached in ``plan.windowed``."""
+    found = plan.windowed.get(window)
+    if found is not None:
+        return found
+    dec, pre = plan.decode, plan.prefill
+    if dec is not None:
+        batch, s = dec.seq_lens.shape[0], dec.max_seq_len
+        k_pos = _arange(s, dec.seq_lens.device)
+        masked = (k_pos >= dec.seq_lens.view(batch, 1, 1, 1)) | \
+            (k_pos <= (dec.seq_lens - 1 - window).view(batch, 1, 1, 1))
+        heads = dec.bias.shape[0] // batch
+        bias = torch.where(masked, float("-inf"), 0.0).expand(batch, heads, 1, s)
+        dec = replace(dec, bias=bias.reshape(-1, 1, s))
+    if pre is not None:
+        k_pos = _arange(pre.max_seq_len, pre.q_pos.device)
+        inside = k_pos[None, None, :] > (pre.q_pos - window)[:, :, None]  # [Bp, max_q, S]
+        pre = replace(pre, allowed=pre.allowed & inside[:, None])
+    found = plan.windowed[window] = AttentionPlan(dec, pre, plan.write_rows)
+    return found
+
+
+def _softcapped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """``c * tanh(scores / c)`` in place (Gemma 2's attention soft-capping), or ``scores``."""
+    return scores if softcap is None else scores.div_(softcap).tanh_().mul_(softcap)
 
 
 def _group_query(query: torch.Tensor, kv_cache: torch.Tensor, tokens: torch.Tensor | None
@@ -240,7 +282,8 @@ def _dequantized(kv: torch.Tensor, kv_cache: torch.Tensor, kv_scale: torch.Tenso
 
 
 def _decode(query: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan,
-            scale: float, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+            scale: float, kv_scale: torch.Tensor | None = None,
+            softcap: float | None = None) -> torch.Tensor:
     """``softmax(q k^T * scale + mask) v`` for the decode rows; ``[Bd, Hq, D]`` float."""
     q, num_heads, num_kv_heads, head_dim, acc = _group_query(query, kv_cache, plan.tokens)
     batch, s = q.shape[0], plan.max_seq_len
@@ -254,12 +297,17 @@ def _decode(query: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan,
     keys, values = kv.view(2, batch * num_kv_heads, s, head_dim).unbind(0)
     # NOTE: the product makes q contiguous, so [B, Hq, D] views as [B * Hkv, group, D].
     q = (q * scale).view(batch * num_kv_heads, num_heads // num_kv_heads, head_dim)
-    probs = torch.baddbmm(_cast(plan.bias, acc), q, keys.transpose(1, 2)).softmax(dim=-1)
+    if softcap is None:
+        scores = torch.baddbmm(_cast(plan.bias, acc), q, keys.transpose(1, 2))
+    else:
+        scores = _softcapped(torch.bmm(q, keys.transpose(1, 2)), softcap) + _cast(plan.bias, acc)
+    probs = scores.softmax(dim=-1)
     return torch.bmm(probs, values).view(batch, num_heads, head_dim)
 
 
 def _prefill(query: torch.Tensor, kv_cache: torch.Tensor, plan: PrefillPlan,
-             scale: float, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+             scale: float, kv_scale: torch.Tensor | None = None,
+             softcap: float | None = None) -> torch.Tensor:
     """Causal attention of the prefill chunks, padded; ``[Tp, Hq, D]`` float."""
     q, num_heads, num_kv_heads, head_dim, acc = _group_query(query, kv_cache, plan.tokens)
     q_pad = q.new_zeros(plan.batch * plan.max_query_len, num_heads, head_dim, dtype=acc)
@@ -269,15 +317,32 @@ def _prefill(query: torch.Tensor, kv_cache: torch.Tensor, plan: PrefillPlan,
     kv = _dequantized(kv.view(2, plan.batch, plan.max_seq_len, num_kv_heads, head_dim),
                       kv_cache, kv_scale, 3, acc)
     # NOTE: padded query rows may be fully masked (NaN out); they are dropped below.
-    out = F.scaled_dot_product_attention(
-        q_pad.transpose(1, 2), kv[0].transpose(1, 2), kv[1].transpose(1, 2),
-        attn_mask=plan.allowed, scale=scale, enable_gqa=num_heads > num_kv_heads)
+    if softcap is None:
+        out = F.scaled_dot_product_attention(
+            q_pad.transpose(1, 2), kv[0].transpose(1, 2), kv[1].transpose(1, 2),
+            attn_mask=plan.allowed, scale=scale, enable_gqa=num_heads > num_kv_heads)
+    else:
+        out = _softcapped_attention(q_pad.transpose(1, 2), kv[0].transpose(1, 2),
+                                    kv[1].transpose(1, 2), plan.allowed, scale, softcap)
     out = out.transpose(1, 2).reshape(-1, num_heads, head_dim)  # [Bp * max_q, Hq, D]
     return out.index_select(0, plan.pad_rows)
 
 
+def _softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          allowed: torch.Tensor, scale: float, softcap: float) -> torch.Tensor:
+    """``softmax(mask(c * tanh(q k^T * scale / c))) v`` for ``q [B, Hq, Q, D]``,
+    ``k``/``v [B, Hkv, S, D]`` (GQA: KV head ``h // (Hq / Hkv)`` serves query head ``h``),
+    ``allowed [B, 1, Q, S]``: ``[B, Hq, Q, D]``."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = _softcapped(torch.matmul(q, k.transpose(-1, -2)).mul_(scale), softcap)
+    return scores.masked_fill_(~allowed, float("-inf")).softmax(-1).matmul(v)
+
+
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+                    scale: float, kv_scale: torch.Tensor | None = None,
+                    window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """Varlen causal attention of new tokens over their cached prefixes (GQA aware).
 
     Decode sequences (one new token) and prefill chunks are computed as two groups, so a long
@@ -291,6 +356,9 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
         scale: softmax scale, usually ``D ** -0.5``.
         kv_scale: ``[2, Hkv]`` float32 per-head scales; needed for an ``int8`` / ``fp8``
             cache, which is read as ``float(q) * scale`` (:mod:`nybble.kernels.kv_quant`).
+        window: a sliding-window layer's window (tokens a query sees, itself included), or
+            None (full causal attention).
+        softcap: ``c`` of the scores' soft-capping ``c * tanh(s / c)``, or None.
 
     Returns:
         ``[T, Hq, D]`` in ``query.dtype``; computed in float32, or float64 for float64 inputs.
@@ -298,16 +366,19 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
     plan = meta.plan
     if not isinstance(plan, AttentionPlan):
         plan = meta.plan = plan_attention(meta, kv_cache)
+    if window is not None:
+        plan = windowed_plan(plan, window)
     dec, pre = plan.decode, plan.prefill
     if dec is not None and dec.tokens is None:
-        return _cast(_decode(query, kv_cache, dec, scale, kv_scale), query.dtype)
+        return _cast(_decode(query, kv_cache, dec, scale, kv_scale, softcap), query.dtype)
     if pre is not None and pre.tokens is None:
-        return _cast(_prefill(query, kv_cache, pre, scale, kv_scale), query.dtype)
+        return _cast(_prefill(query, kv_cache, pre, scale, kv_scale, softcap), query.dtype)
     out = torch.empty_like(query)
     if dec is not None:
-        out[dec.tokens] = _decode(query, kv_cache, dec, scale, kv_scale).to(query.dtype)
+        out[dec.tokens] = _decode(query, kv_cache, dec, scale, kv_scale, softcap).to(query.dtype)
     if pre is not None:
-        out[pre.tokens] = _prefill(query, kv_cache, pre, scale, kv_scale).to(query.dtype)
+        out[pre.tokens] = _prefill(query, kv_cache, pre, scale, kv_scale,
+                                   softcap).to(query.dtype)
     return out
 
 
@@ -332,6 +403,7 @@ class TorchAttentionBackend:
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float,
-                kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+                kv_scale: torch.Tensor | None = None, window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
         """See :func:`paged_attention`."""
-        return paged_attention(query, kv_cache, meta, scale, kv_scale)
+        return paged_attention(query, kv_cache, meta, scale, kv_scale, window, softcap)

@@ -80,6 +80,9 @@ class FusedCpuDecode:
             return None, "the compiled nybble.kernels.cpu_decoder extension is missing"
         if model.layout.sharded:
             return None, "tensor-parallel shards (the fused step has no collectives)"
+        why = _unfused_feature(model)
+        if why:
+            return None, f"{why} (the fused step computes a Llama block only)"
         emb = model.embed_tokens.weight
         if emb.device.type != "cpu" or emb.dtype != torch.float32:
             return None, f"weights must be float32 on the CPU, got {emb.dtype} on {emb.device}"
@@ -138,6 +141,22 @@ class FusedCpuDecode:
                              np.ascontiguousarray(tables, dtype=np.int32),
                              np.ascontiguousarray(seq_lens, dtype=np.int32), out.numpy())
         return out
+
+
+def _unfused_feature(model: LlamaForCausalLM) -> str | None:
+    """What the model's family needs that the fused step lacks, or None."""
+    spec = model.spec
+    windows = [layer.self_attn.window for layer in model.layers]
+    checks = (("per-head q/k norms", spec.qk_norm), ("Gemma norms", spec.gemma_norm),
+              ("Gemma's extra norms", spec.sandwich_norms),
+              (f"the {spec.activation} activation", spec.activation != "silu"),
+              ("scaled embeddings", spec.embed_scale),
+              ("attention soft-capping", spec.attn_softcap is not None),
+              ("final soft-capping", spec.final_softcap is not None),
+              ("sliding-window layers", any(w is not None for w in windows)),
+              ("several RoPE tables", len(model.rotary_embs) > 1),
+              ("partial rotary dimensions", model.rotary_emb.partial))
+    return next((what for what, needed in checks if needed), None)
 
 
 def _int64(t: torch.Tensor) -> np.ndarray:

@@ -3,9 +3,10 @@
 transformers' config classes fill in what a ``config.json`` leaves out, and importing them
 costs about as much as torch itself; the engine core needs only the fields its Llama-family
 decoder reads. :class:`HFConfig` holds the file's values over the defaults of transformers'
-``LlamaConfig``, ``MistralConfig`` and ``Qwen2Config`` (the architectures nybble builds), with
-the same derived fields (``head_dim``, ``num_key_value_heads``, Qwen2's ``sliding_window``)
-and RoPE parameters in transformers' standard form (``rope_parameters`` with ``rope_type`` and
+``LlamaConfig``, ``MistralConfig``, ``Qwen2Config``, ``Qwen3Config``, ``Phi3Config``,
+``Gemma2Config`` and ``Gemma3TextConfig`` (the architectures nybble builds), with the same
+derived fields (``head_dim``, ``num_key_value_heads``, Qwen's ``sliding_window``, Gemma's
+``layer_types``) and RoPE parameters in transformers' standard form (``rope_parameters`` with ``rope_type`` and
 ``rope_theta``). Tests compare every field nybble reads with ``AutoConfig``'s.
 """
 from __future__ import annotations
@@ -18,6 +19,11 @@ from typing import Any
 _COMMON = {"hidden_act": "silu", "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
            "num_attention_heads": 32, "num_hidden_layers": 32, "hidden_size": 4096,
            "head_dim": None}
+_GEMMA = {**_COMMON, "hidden_act": None, "hidden_activation": "gelu_pytorch_tanh",
+          "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+          "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+          "tie_word_embeddings": True, "attention_bias": False, "query_pre_attn_scalar": 256,
+          "sliding_window": 4096, "bos_token_id": 2, "eos_token_id": 1}
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "LlamaForCausalLM": {**_COMMON, "vocab_size": 32000, "intermediate_size": 11008,
                          "attention_bias": False, "mlp_bias": False,
@@ -30,8 +36,26 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
                          "num_key_value_heads": 32, "max_position_embeddings": 32768,
                          "use_sliding_window": False, "sliding_window": 4096,
                          "bos_token_id": None, "eos_token_id": None},
+    "Qwen3ForCausalLM": {**_COMMON, "vocab_size": 151936, "intermediate_size": 22016,
+                         "num_key_value_heads": 32, "head_dim": 128,
+                         "max_position_embeddings": 32768, "attention_bias": False,
+                         "use_sliding_window": False, "sliding_window": 4096,
+                         "max_window_layers": 28, "bos_token_id": None, "eos_token_id": None},
+    "Phi3ForCausalLM": {**_COMMON, "vocab_size": 32064, "hidden_size": 3072,
+                        "intermediate_size": 8192, "num_key_value_heads": None,
+                        "max_position_embeddings": 4096,
+                        "original_max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+                        "sliding_window": None, "bos_token_id": 1, "eos_token_id": 32000},
+    "Gemma2ForCausalLM": {**_GEMMA, "vocab_size": 256000, "max_position_embeddings": 8192,
+                          "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0},
+    "Gemma3ForCausalLM": {**_GEMMA, "vocab_size": 262208, "max_position_embeddings": 131072,
+                          "final_logit_softcapping": None, "attn_logit_softcapping": None},
 }
+# local/global pattern of configs without ``layer_types`` (transformers' __post_init__):
+# every ``n``-th layer is global
+_SLIDING_PATTERN = {"Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 6}
 _DEFAULT_THETA = 10000.0
+_GEMMA3_KINDS = ("sliding_attention", "full_attention")
 _ORIGINAL_LENGTH_ROPE_TYPES = ("llama3", "yarn", "longrope")
 
 
@@ -57,7 +81,15 @@ class HFConfig:
             values["num_key_value_heads"] = heads
         if "use_sliding_window" in values and not values["use_sliding_window"]:
             values["sliding_window"] = None      # NOTE: as Qwen2Config does
-        values["rope_parameters"] = _rope_parameters(raw, values)
+        arch = next((a for a in archs if a in _DEFAULTS), None)
+        if arch in _SLIDING_PATTERN and not values.get("layer_types"):
+            n = int(raw.get("sliding_window_pattern", _SLIDING_PATTERN[arch]))
+            values["layer_types"] = ["sliding_attention" if (i + 1) % n else "full_attention"
+                                     for i in range(int(values["num_hidden_layers"]))]
+        if arch == "Gemma3ForCausalLM":
+            values["rope_parameters"] = gemma3_rope_parameters(raw)
+        else:
+            values["rope_parameters"] = _rope_parameters(raw, values)
         self.__dict__.update(values)
 
     def __getattr__(self, name: str) -> Any:
@@ -78,6 +110,22 @@ def _rope_parameters(raw: dict[str, Any], values: dict[str, Any]) -> dict[str, A
         params.setdefault("original_max_position_embeddings",
                           raw.get("original_max_position_embeddings",
                                   values.get("max_position_embeddings")))
+    return params
+
+
+def gemma3_rope_parameters(raw: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """``{"sliding_attention": {...}, "full_attention": {...}}`` from a Gemma 3 ``config.json``,
+    as ``Gemma3TextConfig.convert_rope_params_to_dict`` reads it (the older ``rope_scaling`` /
+    ``rope_theta`` / ``rope_local_base_freq`` fields included)."""
+    params = {k: dict(v) for k, v in (raw.get("rope_parameters") or {}).items()
+              if k in _GEMMA3_KINDS}
+    full = params.setdefault("full_attention", {"rope_type": "default"})
+    full.update(raw.get("rope_scaling") or {})
+    full.setdefault("rope_theta", raw.get("rope_theta", 1_000_000.0))
+    local = params.setdefault("sliding_attention", {"rope_type": "default"})
+    local.setdefault("rope_theta", raw.get("rope_local_base_freq", 10_000.0))
+    for p in params.values():
+        p.setdefault("rope_type", p.pop("type", "default"))
     return params
 
 

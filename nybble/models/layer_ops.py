@@ -40,8 +40,13 @@ class LayerOps:
         input_norm, qkv, o_proj, post_norm, gate_up, down: the layer's norms and (fused)
             projections.
         attend: ``(q, k, v, kv_cache, meta) -> [T, Hq * D]``: KV-cache write and attention.
-        rope: the shared rotary embedding.
+        rope: the layer's rotary embedding; ``rope_index``: which of the step's ``(cos, sin)``
+            pairs it reads (Gemma 3's local and global tables; 0 otherwise).
         num_heads, num_kv_heads, head_dim: the attention geometry.
+        act: the gated activation ``[T, 2I] -> [T, I]``.
+        q_norm, k_norm: per-head norms of q and k before RoPE (Qwen 3, Gemma 3), or None.
+        attn_out_norm, mlp_out_norm: Gemma's norms of the attention and MLP outputs before
+            their residual adds, or None.
     """
 
     input_norm: Fn
@@ -56,6 +61,12 @@ class LayerOps:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    act: Fn = silu_and_mul
+    q_norm: Fn | None = None
+    k_norm: Fn | None = None
+    attn_out_norm: Fn | None = None
+    mlp_out_norm: Fn | None = None
+    rope_index: int = 0
 
     @classmethod
     def of(cls, layer: LlamaDecoderLayer) -> LayerOps:
@@ -65,10 +76,21 @@ class LayerOps:
         tp = getattr(layer, "tp", None)
         if tp is not None and tp.world_size > 1:   # row-parallel: sum the ranks' partials
             o_proj, down = _all_reduced(o_proj, tp), _all_reduced(down, tp)
+        sandwich = getattr(layer, "sandwich", False)
+        pre_mlp = layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm
         return cls(as_function(layer.input_layernorm), as_function(attn.qkv_proj),
-                   o_proj, as_function(layer.post_attention_layernorm),
+                   o_proj, as_function(pre_mlp),
                    as_function(mlp.gate_up_proj), down, attn.attend,
-                   attn.rope, attn.num_heads, attn.num_kv_heads, attn.head_dim)
+                   attn.rope, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                   getattr(mlp, "act", silu_and_mul), _optional(getattr(attn, "q_norm", None)),
+                   _optional(getattr(attn, "k_norm", None)),
+                   as_function(layer.post_attention_layernorm) if sandwich else None,
+                   as_function(layer.post_feedforward_layernorm) if sandwich else None,
+                   getattr(attn, "rope_index", 0))
+
+
+def _optional(module: torch.nn.Module | None) -> Fn | None:
+    return None if module is None else as_function(module)
 
 
 def _all_reduced(fn: Fn, tp: TPGroup) -> Fn:
@@ -81,48 +103,58 @@ def _all_reduced(fn: Fn, tp: TPGroup) -> Fn:
 @dataclass(frozen=True, slots=True)
 class ModelOps:
     """The whole decoder as :class:`LayerOps` plus the embedding lookup (``ids [T] ->
-    [T, hidden]``; vocabulary-parallel under tensor parallelism) and the final norm."""
+    [T, hidden]``; vocabulary-parallel under tensor parallelism), the RoPE tables (one, or
+    Gemma 3's local and global) and the final norm."""
 
     embed: Callable[[torch.Tensor], torch.Tensor]
-    rope: RotaryEmbedding
+    ropes: tuple[RotaryEmbedding, ...]
     layers: tuple[LayerOps, ...]
     final_norm: Fn
 
 
-def pre_attention(ops: LayerOps, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+Rot = tuple[tuple[torch.Tensor, torch.Tensor], ...]
+"""The step's ``(cos, sin)`` rows of each RoPE table (:meth:`RotaryEmbedding.lookup`)."""
+
+
+def pre_attention(ops: LayerOps, h: torch.Tensor, rot: Rot
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Norm, fused q/k/v projection and RoPE: ``h [T, hidden]`` -> rotated ``q [T, Hq, D]``,
-    ``k [T, Hkv, D]`` and ``v [T, Hkv, D]``. ``cos``/``sin``: the step's rotary rows
-    (:meth:`RotaryEmbedding.lookup`)."""
+    """Norm, fused q/k/v projection, per-head q/k norms (when the family has them) and RoPE:
+    ``h [T, hidden]`` -> rotated ``q [T, Hq, D]``, ``k [T, Hkv, D]`` and ``v [T, Hkv, D]``."""
     num_tokens = h.shape[0]
+    cos, sin = rot[ops.rope_index]
     qkv = ops.qkv(ops.input_norm(h)).view(num_tokens, -1, ops.head_dim)  # (T, Hq + 2 Hkv, D)
-    qk_heads = ops.num_heads + ops.num_kv_heads
+    hq, qk_heads = ops.num_heads, ops.num_heads + ops.num_kv_heads
+    if ops.q_norm is not None and ops.k_norm is not None:
+        q = ops.rope.apply(ops.q_norm(qkv[:, :hq]), cos, sin)
+        return q, ops.rope.apply(ops.k_norm(qkv[:, hq:qk_heads]), cos, sin), qkv[:, qk_heads:]
     # q and k are adjacent in the fused output: one rotation covers both.
     qk = ops.rope.apply(qkv[:, :qk_heads], cos, sin)
-    return qk[:, :ops.num_heads], qk[:, ops.num_heads:], qkv[:, qk_heads:]
+    return qk[:, :hq], qk[:, hq:], qkv[:, qk_heads:]
 
 
 def post_attention(ops: LayerOps, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-    """``o_proj``, both residuals and the SwiGLU MLP: ``attn [T, Hq * D]`` -> the layer's
-    output ``[T, hidden]``."""
-    h = h + ops.o_proj(attn)
-    return h + ops.down(silu_and_mul(ops.gate_up(ops.post_norm(h))))
+    """``o_proj``, both residuals and the gated MLP (with Gemma's output norms when the
+    family has them): ``attn [T, Hq * D]`` -> the layer's output ``[T, hidden]``."""
+    a = ops.o_proj(attn)
+    h = h + (a if ops.attn_out_norm is None else ops.attn_out_norm(a))
+    m = ops.down(ops.act(ops.gate_up(ops.post_norm(h))))
+    return h + (m if ops.mlp_out_norm is None else ops.mlp_out_norm(m))
 
 
 def first_segment(model: ModelOps, input_ids: torch.Tensor, positions: torch.Tensor
                   ) -> tuple[torch.Tensor, ...]:
     """Embedding, the step's rotary rows (gathered once for every layer) and layer 0 up to
-    attention: ``(h, cos, sin, q, k, v)``."""
+    attention: ``(h, rot, q, k, v)``."""
     h = model.embed(input_ids)
-    cos, sin = model.rope.lookup(positions, h.dtype)
-    return (h, cos, sin, *pre_attention(model.layers[0], h, cos, sin))
+    rot = tuple(rope.lookup(positions, h.dtype) for rope in model.ropes)
+    return (h, rot, *pre_attention(model.layers[0], h, rot))
 
 
 def middle_segment(ops: LayerOps, following: LayerOps, h: torch.Tensor, attn: torch.Tensor,
-                   cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                   rot: Rot) -> tuple[torch.Tensor, ...]:
     """From one layer's attention output to the next layer's ``(h, q, k, v)``."""
     h = post_attention(ops, h, attn)
-    return (h, *pre_attention(following, h, cos, sin))
+    return (h, *pre_attention(following, h, rot))
 
 
 def last_segment(ops: LayerOps, final_norm: Fn, h: torch.Tensor,
@@ -141,12 +173,12 @@ def run_step(model: ModelOps, segments: Segments, input_ids: torch.Tensor,
     """The decoder's forward: ``input_ids, positions [T]`` -> final hidden ``[T, hidden]``;
     writes the step's K/V into ``kv_caches``."""
     first, middle, last = segments
-    h, cos, sin, q, k, v = first(model, input_ids, positions)
+    h, rot, q, k, v = first(model, input_ids, positions)
     layers = model.layers
     final = len(layers) - 1
     for i, ops in enumerate(layers):
         attn = ops.attend(q, k, v, kv_caches[i], meta)
         if i == final:
             return last(ops, model.final_norm, h, attn)
-        h, q, k, v = middle(ops, layers[i + 1], h, attn, cos, sin)
+        h, q, k, v = middle(ops, layers[i + 1], h, attn, rot)
     raise ValueError("a model needs at least one layer, got 0")

@@ -1,4 +1,5 @@
-"""Building blocks of Llama-family decoders: RMSNorm, rotary embedding, SwiGLU.
+"""Building blocks of the decoders: RMSNorm (and Gemma's ``(1 + w)`` form), rotary embedding
+(full or partial), SwiGLU and GELU-tanh gated MLP activations.
 
 Flat-batch convention: activations are ``[T, hidden]`` for the ``T`` new tokens of a step.
 """
@@ -47,6 +48,28 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: ``y = (1 + w) * x / sqrt(mean(x^2) + eps)``, computed in float32 and
+    cast back (transformers' ``Gemma2RMSNorm``; the checkpoint stores ``w``, zero-centred).
+
+    ``x: [..., hidden]`` -> same shape and dtype.
+    """
+
+    def as_function(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """:meth:`forward` as a plain callable, ``1 + w`` taken once (call it after the
+        weights are loaded)."""
+        if self.weight.dtype == torch.float32:
+            return functools.partial(torch.rms_norm, normalized_shape=self.normalized_shape,
+                                     weight=1.0 + self.weight, eps=self.eps)
+        return self.forward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalise each row of ``x`` over its last dimension."""
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.float())).to(x.dtype)
+
+
 def _rope_config(config: Any) -> dict:
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
     params = dict(params or {})
@@ -75,9 +98,19 @@ def llama3_inv_freq(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def _transformers_inv_freq(config: Any, rope_type: str) -> tuple[torch.Tensor, float]:
+def _cos_sin(pos: torch.Tensor, inv_freq: torch.Tensor, scaling: float) -> torch.Tensor:
+    """``[P, 2, 2 * F]`` float32 rows ``([c, c], [-s, s]) * scaling`` of ``pos [P]`` for
+    ``inv_freq [F]``."""
+    freqs = pos[:, None] * inv_freq.float()[None, :]
+    cos, sin = freqs.cos() * scaling, freqs.sin() * scaling
+    return torch.stack((torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)), 1)
+
+
+def _transformers_inv_freq(config: Any, rope_type: str, seq_len: int | None = None
+                           ) -> tuple[torch.Tensor, float]:
     """Frequencies of the rarer scaled types (``yarn``, ``longrope``...) from transformers
-    (imported only for such a model)."""
+    (imported only for such a model); ``seq_len``: the sequence length they are for (LongRoPE
+    picks its long factors past the original length)."""
     from transformers import AutoConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -87,7 +120,7 @@ def _transformers_inv_freq(config: Any, rope_type: str) -> tuple[torch.Tensor, f
             f"(not dynamic), got {rope_type!r}")
     raw = dict(getattr(config, "raw", None) or config.to_dict())
     hf = AutoConfig.for_model(raw.pop("model_type", "llama"), **raw)
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, "cpu")
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, "cpu", seq_len)
     return inv_freq, float(scaling)
 
 
@@ -97,8 +130,9 @@ class RotaryEmbedding(nn.Module):
     Frequencies: ``default`` is ``theta ** (-2i / head_dim)``; ``linear`` divides them by
     ``factor``; ``llama3`` is Llama 3.1's scaling (:func:`llama3_inv_freq`); other scaled
     types (``yarn``, ``longrope``...) come from transformers' ``ROPE_INIT_FUNCTIONS``. Tests
-    compare all of them with transformers. A cos/sin table for every position up to
-    ``max_positions`` is built once at start-up, in the full-width form ``cos = [c, c]``,
+    compare all of them with transformers. ``partial_rotary_factor`` < 1 (Phi-4-mini) rotates
+    only the first ``int(head_dim * factor)`` dimensions of each head. A cos/sin table for
+    every position up to ``max_positions`` is built once at start-up, in the full-width form ``cos = [c, c]``,
     ``sin = [-s, s]`` so that a rotation is ``x * cos + roll(x) * sin`` (``roll`` swaps the
     halves): the products HF's ``rotate_half`` form computes, bit for bit. :meth:`lookup`
     gathers a step's rows once; every layer's :meth:`apply` reuses them.
@@ -109,35 +143,52 @@ class RotaryEmbedding(nn.Module):
     """
 
     def __init__(self, config: Any, head_dim: int, max_positions: int,
-                 device: torch.device) -> None:
+                 device: torch.device, params: dict | None = None) -> None:
+        """``params``: this table's RoPE parameters when a model has several (Gemma 3's local
+        and global layers); default: the config's."""
         super().__init__()
-        params = _rope_config(config)
+        params = dict(params) if params is not None else _rope_config(config)
+        params.setdefault("rope_type", params.get("type", "default"))
         rope_type = params["rope_type"]
-        scaling = 1.0
+        factor = float(params.get("partial_rotary_factor",
+                                  getattr(config, "partial_rotary_factor", 1.0) or 1.0))
+        rotary_dim = int(head_dim * factor)
+        pos = torch.arange(max_positions, dtype=torch.float32)
         if rope_type in ("default", "linear", "llama3"):
-            inv_freq = default_inv_freq(params["rope_theta"], head_dim)
+            inv_freq = default_inv_freq(params["rope_theta"], rotary_dim)
             if rope_type == "linear":
                 inv_freq = inv_freq / params["factor"]
             elif rope_type == "llama3":
                 inv_freq = llama3_inv_freq(inv_freq, params)
+            table = _cos_sin(pos, inv_freq, 1.0)
         else:
             inv_freq, scaling = _transformers_inv_freq(config, rope_type)
-        pos = torch.arange(max_positions, dtype=torch.float32)
-        freqs = pos[:, None] * inv_freq.float()[None, :]  # (max_positions, head_dim / 2)
-        cos, sin = freqs.cos() * scaling, freqs.sin() * scaling
-        table = torch.stack((torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)), 1)
-        self.register_buffer("cos_sin", table.to(device), persistent=False)  # (P, 2, head_dim)
-        self.half = head_dim // 2
+            table = _cos_sin(pos, inv_freq, scaling)
+            original = int(params.get("original_max_position_embeddings") or max_positions)
+            if rope_type == "longrope" and max_positions > original:
+                # NOTE: LongRoPE's long factors for the positions past the original length
+                # (vLLM's Phi3LongRoPE table); transformers switches a whole sequence to them
+                # once it grows past that length, which a shared cache cannot do.
+                long_freq, scaling = _transformers_inv_freq(config, rope_type, original + 1)
+                table[original:] = _cos_sin(pos[original:], long_freq, scaling)
+        self.register_buffer("cos_sin", table.to(device), persistent=False)  # (P, 2, rotary)
+        self.half = rotary_dim // 2
+        self.rotary_dim = rotary_dim
+        self.partial = rotary_dim < head_dim
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cos, sin)``, each ``[T, 1, head_dim]`` in ``dtype``, for ``positions: [T]``."""
+        """``(cos, sin)``, each ``[T, 1, rotary_dim]`` in ``dtype``, for ``positions: [T]``."""
         rows = self.cos_sin.index_select(0, positions).to(dtype)  # (T, 2, head_dim)
         return rows[:, 0:1], rows[:, 1:2]
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate ``x: [T, heads, head_dim]`` by :meth:`lookup`'s ``cos``/``sin``; a new
-        contiguous tensor."""
+        contiguous tensor (the dimensions past ``rotary_dim`` pass through)."""
+        if self.partial:
+            rot = x[..., :self.rotary_dim]
+            rot = rot * cos + torch.roll(rot, self.half, -1) * sin
+            return torch.cat((rot, x[..., self.rotary_dim:]), -1)
         return x * cos + torch.roll(x, self.half, -1) * sin
 
 
@@ -146,3 +197,16 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     (a new contiguous tensor)."""
     half = x.shape[-1] // 2
     return nn.functional.silu(x[..., :half]).mul_(x[..., half:])
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """GeGLU with the tanh GELU (Shazeer, 2020; Gemma's ``gelu_pytorch_tanh``):
+    ``x: [T, 2I] -> gelu_tanh(x[:, :I]) * x[:, I:]`` (a new contiguous tensor)."""
+    half = x.shape[-1] // 2
+    return nn.functional.gelu(x[..., :half], approximate="tanh").mul_(x[..., half:])
+
+
+GATED_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": silu_and_mul, "gelu_pytorch_tanh": gelu_tanh_and_mul}
+"""Config ``hidden_act`` / ``hidden_activation`` -> the gated activation of the fused
+``[T, 2I]`` gate/up output."""

@@ -1,10 +1,13 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2) over a paged KV cache.
+"""The decoder of every family nybble serves (Llama, Mistral, Qwen 2/3, Phi-3, Gemma 2/3) over
+a paged KV cache; what a family changes comes from its :class:`~nybble.models.arch.ArchSpec`.
 
 The model takes the flat batch of a step: ``input_ids [T]``, ``positions [T]``, one KV cache
 tensor per layer (``[2, NB, BS, Hkv, D]``) and :class:`AttentionMetadata`, and returns hidden
 states ``[T, hidden]``. q/k/v and gate/up are fused projections (one GEMM each); their
 checkpoint shards are concatenated along the output dimension at load time.
-Architecture: Touvron et al. 2023 (Llama 2); GQA (Ainslie et al. 2023); Qwen2 adds q/k/v bias.
+Architecture: Touvron et al. 2023 (Llama 2); GQA (Ainslie et al. 2023); Qwen2 adds q/k/v bias;
+the other families' differences are described in their files (:mod:`nybble.models.qwen3`,
+:mod:`~nybble.models.phi3`, :mod:`~nybble.models.gemma2`, :mod:`~nybble.models.gemma3`).
 """
 from __future__ import annotations
 
@@ -18,6 +21,8 @@ from nybble.distributed import channel
 from nybble.distributed.comm import single_rank
 from nybble.kernels.interface import AttentionBackend, AttentionMetadata
 from nybble.models.cpu_fused import FusedCpuDecode
+from nybble.errors import UnsupportedModelError
+from nybble.models.arch import ArchSpec
 from nybble.models.hf_config import HFConfig
 from nybble.models.layer_ops import (
     EAGER_SEGMENTS,
@@ -28,39 +33,51 @@ from nybble.models.layer_ops import (
     pre_attention,
     run_step,
 )
-from nybble.models.layers import RMSNorm, RotaryEmbedding
+from nybble.models.layers import GATED_ACTIVATIONS, GemmaRMSNorm, RMSNorm, RotaryEmbedding
 from nybble.models.linear import LinearFactory, as_function, build_linear
 from nybble.models.shape import ModelShape
 from nybble.models.tp_layout import TPLayout
 
 
 class LlamaAttention(nn.Module):
-    """Self-attention: fused qkv -> RoPE -> write KV cache -> paged attention -> o_proj (the
-    step runs it through :mod:`nybble.models.layer_ops`)."""
+    """Self-attention: fused qkv -> (per-head q/k norm) -> RoPE -> write KV cache -> paged
+    attention (sliding window, soft-capping when the family has them) -> o_proj (the step
+    runs it through :mod:`nybble.models.layer_ops`)."""
 
     def __init__(self, shape: ModelShape, prefix: str, linear: LinearFactory,
-                 rope: RotaryEmbedding, backend: AttentionBackend, bias: tuple[bool, bool],
-                 dtype: torch.dtype, device: torch.device, layout: TPLayout) -> None:
+                 rope: RotaryEmbedding, backend: AttentionBackend, spec: ArchSpec,
+                 layer: int, eps: float, dtype: torch.dtype, device: torch.device,
+                 layout: TPLayout, max_positions: int) -> None:
         super().__init__()
         hidden = shape.hidden_size
-        qkv_bias, o_bias = bias
         self.num_heads = layout.num_heads          # this rank's heads (all of them at TP 1)
         self.num_kv_heads = layout.num_kv_heads
         self.head_dim = shape.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim ** -0.5
-        qkv_names = [f"{prefix}.{p}_proj" for p in ("q", "k", "v")]
+        self.scale = spec.attn_scale if spec.attn_scale is not None else self.head_dim ** -0.5
+        qkv_names = ([f"{prefix}.qkv_proj"] if spec.fused_checkpoint else
+                     [f"{prefix}.{p}_proj" for p in ("q", "k", "v")])
         self.qkv_proj = build_linear(linear, qkv_names, hidden,
-                                     [self.q_size, self.kv_size, self.kv_size], qkv_bias,
+                                     [self.q_size, self.kv_size, self.kv_size], spec.qkv_bias,
                                      dtype, device)
-        self.o_proj = build_linear(linear, [f"{prefix}.o_proj"], self.q_size, [hidden], o_bias,
-                                   dtype, device)
+        self.o_proj = build_linear(linear, [f"{prefix}.o_proj"], self.q_size, [hidden],
+                                   spec.o_bias, dtype, device)
         if layout.sharded:
             self.qkv_proj.tp_slices = [layout.q, layout.kv, layout.kv]
             self.o_proj.tp_slices = [layout.o_in]
+        norm = GemmaRMSNorm if spec.gemma_norm else RMSNorm
+        self.q_norm = norm(self.head_dim, eps, dtype, device) if spec.qk_norm else None
+        self.k_norm = norm(self.head_dim, eps, dtype, device) if spec.qk_norm else None
         self.rope = rope
+        self.rope_index = spec.rope_index(layer)
         self.backend = backend
+        window = spec.window(layer)
+        # NOTE: a window that covers every position the engine allows is no window at all
+        self.window = window if window is not None and window < max_positions else None
+        self.softcap = spec.attn_softcap
+        self._extra = {k: v for k, v in (("window", self.window), ("softcap", self.softcap))
+                       if v is not None}
         # [2, Hkv] float32 per-head K/V scales of a quantized KV cache (set by
         # nybble.runtime.kv_calibration before the pool is used); None for a float cache.
         self.kv_scale: torch.Tensor | None = None
@@ -70,26 +87,29 @@ class LlamaAttention(nn.Module):
         """Write this step's ``k``/``v`` ``[T, Hkv, D]`` into ``kv_cache`` and attend with
         ``q [T, Hq, D]``: ``[T, Hq * D]`` (before ``o_proj``)."""
         self.backend.reshape_and_cache(k, v, kv_cache, meta, self.kv_scale)
-        out = self.backend.forward(q, kv_cache, meta, self.scale, self.kv_scale)  # (T, Hq, D)
+        out = self.backend.forward(q, kv_cache, meta, self.scale, self.kv_scale,
+                                   **self._extra)  # (T, Hq, D)
         return out.view(q.shape[0], self.q_size)
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU feed-forward with a fused gate/up projection (run by
-    :func:`nybble.models.layer_ops.post_attention`)."""
+    """Gated feed-forward (SwiGLU, or GeGLU-tanh for Gemma) with a fused gate/up projection
+    (run by :func:`nybble.models.layer_ops.post_attention`)."""
 
-    def __init__(self, config: HFConfig, prefix: str, linear: LinearFactory,
+    def __init__(self, config: HFConfig, prefix: str, linear: LinearFactory, spec: ArchSpec,
                  dtype: torch.dtype, device: torch.device, layout: TPLayout) -> None:
         super().__init__()
         hidden, inter = config.hidden_size, layout.inter.length
         bias = bool(getattr(config, "mlp_bias", False))
-        act = getattr(config, "hidden_act", "silu")
-        if act != "silu":
-            from nybble.errors import UnsupportedModelError
-
-            raise UnsupportedModelError(f"hidden_act must be 'silu', got {act!r}")
-        self.gate_up_proj = build_linear(linear, [f"{prefix}.gate_proj", f"{prefix}.up_proj"],
-                                         hidden, [inter, inter], bias, dtype, device)
+        act = spec.activation if spec.gemma_norm else getattr(config, "hidden_act", "silu")
+        if act not in GATED_ACTIVATIONS:
+            raise UnsupportedModelError(f"hidden_act must be one of "
+                                        f"{', '.join(GATED_ACTIVATIONS)}, got {act!r}")
+        self.act = GATED_ACTIVATIONS[act]
+        names = ([f"{prefix}.gate_up_proj"] if spec.fused_checkpoint else
+                 [f"{prefix}.gate_proj", f"{prefix}.up_proj"])
+        self.gate_up_proj = build_linear(linear, names, hidden, [inter, inter], bias, dtype,
+                                         device)
         self.down_proj = build_linear(linear, [f"{prefix}.down_proj"], inter, [hidden], bias,
                                       dtype, device)
         if layout.sharded:
@@ -98,51 +118,62 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm decoder block: ``h += attn(norm(h)); h += mlp(norm(h))``."""
+    """Pre-norm decoder block: ``h += attn(norm(h)); h += mlp(norm(h))``; with Gemma's
+    sandwich norms ``h += norm(attn(norm(h))); h += norm(mlp(norm(h)))``."""
 
     def __init__(self, config: HFConfig, shape: ModelShape, index: int,
-                 linear: LinearFactory, rope: RotaryEmbedding, backend: AttentionBackend,
-                 bias: tuple[bool, bool], dtype: torch.dtype, device: torch.device,
-                 layout: TPLayout) -> None:
+                 linear: LinearFactory, ropes: list[RotaryEmbedding],
+                 backend: AttentionBackend, spec: ArchSpec, dtype: torch.dtype,
+                 device: torch.device, layout: TPLayout, max_positions: int) -> None:
         super().__init__()
         prefix = f"model.layers.{index}"
         self.tp = layout.tp     # o_proj and down_proj outputs are all-reduced over it
         eps = config.rms_norm_eps
-        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
-        self.self_attn = LlamaAttention(shape, f"{prefix}.self_attn", linear, rope, backend,
-                                        bias, dtype, device, layout)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
-        self.mlp = LlamaMLP(config, f"{prefix}.mlp", linear, dtype, device, layout)
+        norm = GemmaRMSNorm if spec.gemma_norm else RMSNorm
+        hidden = config.hidden_size
+        self.input_layernorm = norm(hidden, eps, dtype, device)
+        self.self_attn = LlamaAttention(shape, f"{prefix}.self_attn", linear,
+                                        ropes[spec.rope_index(index)], backend, spec, index,
+                                        eps, dtype, device, layout, max_positions)
+        # Llama: the pre-MLP norm; Gemma: the norm of the attention output
+        self.post_attention_layernorm = norm(hidden, eps, dtype, device)
+        if spec.sandwich_norms:
+            self.pre_feedforward_layernorm = norm(hidden, eps, dtype, device)
+            self.post_feedforward_layernorm = norm(hidden, eps, dtype, device)
+        self.sandwich = spec.sandwich_norms
+        self.mlp = LlamaMLP(config, f"{prefix}.mlp", linear, spec, dtype, device, layout)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def forward(self, h: torch.Tensor, rot: tuple[tuple[torch.Tensor, torch.Tensor], ...],
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """``h: [T, hidden]`` -> ``[T, hidden]`` (one layer alone; the model's step runs
-        every layer through :mod:`nybble.models.layer_ops` instead)."""
+        """``h: [T, hidden]`` -> ``[T, hidden]`` (one layer alone; ``rot``: the step's
+        ``(cos, sin)`` of each RoPE table; the model's step runs every layer through
+        :mod:`nybble.models.layer_ops` instead)."""
         ops = LayerOps.of(self)
-        attn = ops.attend(*pre_attention(ops, h, cos, sin), kv_cache, meta)
+        attn = ops.attend(*pre_attention(ops, h, rot), kv_cache, meta)
         return post_attention(ops, h, attn)
 
 
 class LlamaForCausalLM(nn.Module):
-    """Llama / Mistral / Qwen2 causal LM over a paged KV cache.
+    """The causal LM of every supported family over a paged KV cache.
 
     Args:
         config: the Hugging Face config.
         linear: builds every projection (dense, or quantized by a quantization config).
         backend: the attention backend (torch reference or Triton).
         max_positions: rows of the RoPE table (the engine's ``max_model_len``).
-        bias: whether (q/k/v, o) projections carry a bias: Llama/Mistral follow
-            ``attention_bias``; Qwen2 has (True, False).
+        spec: what the family changes (:func:`nybble.models.registry.arch_spec`; default: a
+            plain Llama).
         layout: this rank's share under tensor parallelism (:class:`TPLayout`; default:
             one rank, the whole model).
 
     Raises:
-        UnsupportedModelError: heads or widths that do not split over the ranks.
+        UnsupportedModelError: heads or widths that do not split over the ranks, or a
+            fused-checkpoint family (Phi-3) under tensor parallelism.
     """
 
     def __init__(self, config: HFConfig, linear: LinearFactory,
                  backend: AttentionBackend, max_positions: int, dtype: torch.dtype,
-                 device: torch.device, bias: tuple[bool, bool] = (False, False),
+                 device: torch.device, spec: ArchSpec | None = None,
                  layout: TPLayout | None = None) -> None:
         super().__init__()
         self.config = config
@@ -150,16 +181,25 @@ class LlamaForCausalLM(nn.Module):
         self.shape = ModelShape.from_hf_config(config)
         self.layout = layout = layout or TPLayout.of(self.shape, config.intermediate_size,
                                                      single_rank())
+        self.spec = spec = spec or ArchSpec()
+        if spec.fused_checkpoint and layout.sharded:
+            raise UnsupportedModelError("tensor_parallel_size must be 1 for a checkpoint with "
+                                        "fused qkv_proj / gate_up_proj (Phi-3)")
         rows = layout.vocab_rows
-        self.rotary_emb = rope = RotaryEmbedding(config, self.shape.head_dim, max_positions,
-                                                 device)
+        head_dim = self.shape.head_dim
+        self.rotary_embs = nn.ModuleList(
+            RotaryEmbedding(config, head_dim, max_positions, device, params)
+            for params in spec.rope_params or (None,))
+        self.rotary_emb = self.rotary_embs[0]
         self.embed_tokens = nn.Embedding(rows, config.hidden_size, dtype=dtype, device=device)
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, self.shape, i, linear, rope, backend, bias, dtype, device,
-                              layout)
+            LlamaDecoderLayer(config, self.shape, i, linear, list(self.rotary_embs), backend,
+                              spec, dtype, device, layout, max_positions)
             for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        norm = GemmaRMSNorm if spec.gemma_norm else RMSNorm
+        self.norm = norm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.embed_scale = float(config.hidden_size) ** 0.5 if spec.embed_scale else None
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = None if self.tie_word_embeddings else nn.Parameter(
             torch.empty(rows, config.hidden_size, dtype=dtype, device=device),
@@ -175,8 +215,9 @@ class LlamaForCausalLM(nn.Module):
         NOTE: the ops hold the parameter tensors; ``.to()``/``.half()`` (``_apply``) drop
         them, and so must any code that assigns new parameter tensors to a submodule."""
         if self._ops is None:
-            self._ops = ModelOps(vocab_embedding(self.embed_tokens.weight, self.layout),
-                                 self.rotary_emb,
+            self._ops = ModelOps(vocab_embedding(self.embed_tokens.weight, self.layout,
+                                                 self.embed_scale),
+                                 tuple(self.rotary_embs),
                                  tuple(LayerOps.of(layer) for layer in self.layers),
                                  as_function(self.norm))
         return self._ops
@@ -213,18 +254,25 @@ class LlamaForCausalLM(nn.Module):
         return run_step(self.ops(), self.segments, input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden: [S, hidden]`` -> logits ``[S, vocab]`` (tied to the embeddings if so).
+        """``hidden: [S, hidden]`` -> logits ``[S, vocab]`` (tied to the embeddings if so;
+        soft-capped when the family caps them).
 
         Under tensor parallelism (on rank 0) it first sends the rows to the other ranks
         (:data:`~nybble.distributed.channel.Kind.LOGITS`), each computes its vocabulary
         rows, and rank 0 gathers them."""
         if not self.layout.sharded:
-            return nn.functional.linear(hidden, self._head_weight())
+            return self._softcapped(nn.functional.linear(hidden, self._head_weight()))
         channel.send(self.layout.tp, channel.Kind.LOGITS, tuple(hidden.shape), hidden)
         logits = self._logits_part(hidden)
         assert logits is not None
         vocab = self.shape.vocab_size
-        return logits if logits.shape[-1] == vocab else logits[:, :vocab].contiguous()
+        logits = logits if logits.shape[-1] == vocab else logits[:, :vocab].contiguous()
+        return self._softcapped(logits)
+
+    def _softcapped(self, logits: torch.Tensor) -> torch.Tensor:
+        """Gemma 2's final soft-capping ``c * tanh(logits / c)`` (in place), when it has one."""
+        cap = self.spec.final_softcap
+        return logits if cap is None else logits.div_(cap).tanh_().mul_(cap)
 
     def worker_logits(self, hidden: torch.Tensor) -> None:
         """On ranks 1..N-1: this rank's part of :meth:`compute_logits` for rank 0's
@@ -240,11 +288,18 @@ class LlamaForCausalLM(nn.Module):
         return self.layout.tp.gather_last_dim(nn.functional.linear(hidden, self._head_weight()))
 
 
-def vocab_embedding(weight: torch.Tensor, layout: TPLayout
+def vocab_embedding(weight: torch.Tensor, layout: TPLayout, scale: float | None = None
                     ) -> Callable[[torch.Tensor], torch.Tensor]:
     """The embedding lookup ``ids [T] -> [T, hidden]`` over this rank's rows ``weight
     [vocab_rows, hidden]``: ids of other ranks give zero rows and the all-reduce sums the
-    ranks' lookups (vocabulary-parallel embedding, Megatron-LM)."""
+    ranks' lookups (vocabulary-parallel embedding, Megatron-LM); times ``scale`` when given
+    (Gemma's ``sqrt(hidden_size)``)."""
+    if scale is not None:
+        lookup = vocab_embedding(weight, layout)
+
+        def scaled(ids: torch.Tensor) -> torch.Tensor:
+            return lookup(ids).mul_(scale)
+        return scaled
     if not layout.sharded:
         return functools.partial(nn.functional.embedding, weight=weight)
     start, rows, tp = layout.vocab_start, layout.vocab_rows, layout.tp

@@ -25,7 +25,7 @@ from nybble.kernels.interface import AttentionBackend
 from nybble.models.hf_config import HFConfig, load_hf_config
 from nybble.models.linear import dense_linear_factory
 from nybble.models.llama import LlamaForCausalLM
-from nybble.models.registry import projection_bias
+from nybble.models.registry import arch_spec
 from nybble.models.shape import ModelShape
 from nybble.models.tp_layout import TPLayout
 from nybble.models.tp_shard import G_IDX_NAMES, is_act_order, read_shard, read_vocab_rows
@@ -123,13 +123,11 @@ def load_model(cfg: ModelConfig, backend: AttentionBackend, device: torch.device
     check_model_dir(cfg.model)
     hf_config = load_hf_config(cfg.model)
     raw_config = hf_config.to_dict()
-    bias = projection_bias(hf_config)
+    spec = arch_spec(hf_config)
     quant = load_quant_config(cfg.model, raw_config, cfg.quantization)
     dtype = resolve_dtype(cfg.dtype, hf_config, device)
+    # NOTE: the model's own limit; sliding-window layers attend inside their window
     limit = int(getattr(hf_config, "max_position_embeddings", 2048))
-    window = getattr(hf_config, "sliding_window", None)
-    if window and getattr(hf_config, "use_sliding_window", True):
-        limit = min(limit, int(window))  # NOTE: no sliding-window attention: cap the length
     max_len = cfg.max_model_len or limit
     if max_len > limit:
         raise ValueError(f"max_model_len must be <= {limit} (the model's position limit), "
@@ -138,7 +136,7 @@ def load_model(cfg: ModelConfig, backend: AttentionBackend, device: torch.device
     shape = ModelShape.from_hf_config(hf_config)
     layout = TPLayout.of(shape, int(hf_config.intermediate_size), tp or single_rank())
     try:
-        model = LlamaForCausalLM(hf_config, factory, backend, max_len, dtype, device, bias,
+        model = LlamaForCausalLM(hf_config, factory, backend, max_len, dtype, device, spec,
                                  layout)
     except UnsupportedModelError as e:
         if not layout.sharded:

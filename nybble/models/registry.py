@@ -1,29 +1,44 @@
-"""Supported architectures and how to build them from a Hugging Face config."""
+"""Supported architectures and the :class:`~nybble.models.arch.ArchSpec` each is built with
+(every one by :class:`nybble.models.llama.LlamaForCausalLM`)."""
 from __future__ import annotations
 
 from collections.abc import Callable
 
 from nybble.errors import UnsupportedModelError
+from nybble.models.arch import ArchSpec, sliding_windows
+from nybble.models.gemma2 import gemma2_spec
+from nybble.models.gemma3 import gemma3_spec
 from nybble.models.hf_config import HFConfig
+from nybble.models.phi3 import phi3_spec
+from nybble.models.qwen3 import qwen3_spec
 
 
-def _attention_bias(config: HFConfig) -> tuple[bool, bool]:
+def _llama_spec(config: HFConfig) -> ArchSpec:
+    """Llama / Mistral: ``attention_bias`` on q/k/v and o; Mistral's window on every layer."""
     bias = bool(getattr(config, "attention_bias", False))
-    return bias, bias
+    return ArchSpec(qkv_bias=bias, o_bias=bias, windows=sliding_windows(config))
 
 
-# architecture name -> (q/k/v bias, o_proj bias) rule; every entry is built by LlamaForCausalLM.
-_ARCHITECTURES: dict[str, Callable[[HFConfig], tuple[bool, bool]]] = {
-    "LlamaForCausalLM": _attention_bias,
-    "MistralForCausalLM": _attention_bias,
-    "Qwen2ForCausalLM": lambda config: (True, False),
+def _qwen2_spec(config: HFConfig) -> ArchSpec:
+    """Qwen 2: bias on q/k/v, none on o; windows per ``layer_types``."""
+    return ArchSpec(qkv_bias=True, windows=sliding_windows(config))
+
+
+_ARCHITECTURES: dict[str, Callable[[HFConfig], ArchSpec]] = {
+    "LlamaForCausalLM": _llama_spec,
+    "MistralForCausalLM": _llama_spec,
+    "Qwen2ForCausalLM": _qwen2_spec,
+    "Qwen3ForCausalLM": qwen3_spec,
+    "Phi3ForCausalLM": phi3_spec,
+    "Gemma2ForCausalLM": gemma2_spec,
+    "Gemma3ForCausalLM": gemma3_spec,
 }
 
 SUPPORTED_ARCHITECTURES = tuple(_ARCHITECTURES)
 
 
-def projection_bias(config: HFConfig) -> tuple[bool, bool]:
-    """``(qkv_bias, o_bias)`` for the config's architecture.
+def arch_spec(config: HFConfig) -> ArchSpec:
+    """The :class:`ArchSpec` of the config's architecture.
 
     Raises:
         UnsupportedModelError: the architecture is not one of :data:`SUPPORTED_ARCHITECTURES`.
@@ -34,3 +49,4 @@ def projection_bias(config: HFConfig) -> tuple[bool, bool]:
             return _ARCHITECTURES[arch](config)
     raise UnsupportedModelError(
         f"architectures must include one of {', '.join(SUPPORTED_ARCHITECTURES)}, got {archs}")
+
