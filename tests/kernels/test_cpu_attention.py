@@ -62,6 +62,23 @@ def test_kernel_matches_float64_definition(block_size: int, hq: int, hkv: int, d
     torch.testing.assert_close(torch.from_numpy(out).double(), want, atol=2e-6, rtol=0)
 
 
+@pytest.mark.parametrize("window,softcap", [(8, 0.0), (5, 2.0), (0, 1.5), (1, 0.0),
+                                            (100, 0.0)])
+def test_kernel_sliding_window_and_softcap(window: int, softcap: float) -> None:
+    """A window shorter than most sequences (starting inside a block), of one token, longer
+    than all; soft-capping alone and with a window."""
+    lens = [1, 17, 16, 3 * 16 + 5, 40]
+    query, cache, meta, ks, vs = _decode_batch(lens, 16, 8, 2, 8)
+    out = np.full((len(lens), 8, 8), np.nan, np.float32)
+    scratch = np.empty(8 * (max(lens) + 8 + 1), np.float32)
+    paged_decode_attention(query.numpy(), cache.numpy(), meta.block_tables.numpy(),
+                           meta.seq_lens.numpy(), 8 ** -0.5, out, scratch, window=window,
+                           softcap=softcap)
+    want = torch.cat([_naive(query[b:b + 1].double(), ks[b], vs[b], 1, window or None,
+                             softcap or None) for b in range(len(lens))])
+    torch.testing.assert_close(torch.from_numpy(out).double(), want, atol=2e-6, rtol=0)
+
+
 def test_kernel_reads_strided_queries() -> None:
     """q as the model passes it: heads of a wider row (q and k rotated together)."""
     query, cache, meta, ks, vs = _decode_batch([5, 30], 16, 8, 4, 8)

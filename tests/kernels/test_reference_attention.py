@@ -11,24 +11,43 @@ from nybble.kernels.interface import AttentionMetadata
 from nybble.kernels.reference_attention import paged_attention, reshape_and_cache
 
 
-def _naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_len: int) -> torch.Tensor:
-    """q: [q_len, Hq, D]; k, v: [S, Hkv, D] (the whole sequence); causal, float64."""
+def _naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_len: int,
+           window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """q: [q_len, Hq, D]; k, v: [S, Hkv, D] (the whole sequence); causal, float64; a query
+    at ``pos`` sees keys ``pos - window < j <= pos`` with a window; scores capped to
+    ``c * tanh(s / c)`` with a softcap."""
     seq_len, hkv, _ = k.shape
     group = q.shape[1] // hkv
     out = torch.empty_like(q)
     for t in range(q_len):
         pos = seq_len - q_len + t
+        first = max(0, pos - window + 1) if window else 0
         for h in range(q.shape[1]):
             s = [float(q[t, h] @ k[j, h // group]) / math.sqrt(q.shape[2])
-                 for j in range(pos + 1)]
+                 for j in range(first, pos + 1)]
+            if softcap:
+                s = [softcap * math.tanh(x / softcap) for x in s]
             m = max(s)
             w = torch.tensor([math.exp(x - m) for x in s], dtype=torch.float64)
-            out[t, h] = (w[:, None] * v[: pos + 1, h // group]).sum(0) / w.sum()
+            out[t, h] = (w[:, None] * v[first: pos + 1, h // group]).sum(0) / w.sum()
     return out
 
 
 @pytest.mark.parametrize("block_size,hq,hkv", [(16, 4, 4), (32, 8, 2), (16, 8, 1)])
 def test_mixed_prefill_decode_batch(block_size: int, hq: int, hkv: int) -> None:
+    _check_mixed_batch(block_size, hq, hkv, None, None)
+
+
+@pytest.mark.parametrize("window,softcap", [(8, None), (5, 2.0), (None, 1.5), (1, None),
+                                            (64, None)])
+def test_sliding_window_and_softcap(window: int | None, softcap: float | None) -> None:
+    """Windows shorter than the chunks, than the cached prefix, of one token and longer than
+    every sequence; soft-capping alone and with a window."""
+    _check_mixed_batch(16, 8, 2, window, softcap)
+
+
+def _check_mixed_batch(block_size: int, hq: int, hkv: int, window: int | None,
+                       softcap: float | None) -> None:
     torch.manual_seed(0)
     d = 8
     # (cached tokens, new tokens): plain prefill, chunked prefill, decodes, odd lengths
@@ -59,6 +78,8 @@ def test_mixed_prefill_decode_batch(block_size: int, hq: int, hkv: int) -> None:
                                   dtype=torch.int32),
         max_query_len=max(n for _, n in plan), max_seq_len=max(c + n for c, n in plan),
         is_decode_only=False)
-    out = paged_attention(torch.cat(new_q), cache, meta, d ** -0.5)
-    want = torch.cat([_naive(q, k, v, q.shape[0]) for q, k, v in zip(new_q, ks, vs)])
+    out = paged_attention(torch.cat(new_q), cache, meta, d ** -0.5, window=window,
+                          softcap=softcap)
+    want = torch.cat([_naive(q, k, v, q.shape[0], window, softcap)
+                      for q, k, v in zip(new_q, ks, vs)])
     torch.testing.assert_close(out, want, atol=1e-12, rtol=0)
