@@ -85,6 +85,18 @@ def dot(a, b, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
         return tl.dot(a, b, input_precision=DOT_PRECISION)
 
 
+@triton.jit
+def capped_log2_scores(qk, scale, softcap, SOFTCAP: tl.constexpr):
+    """Attention scores in log2 units from raw dot products ``qk``: ``qk * scale * log2(e)``,
+    or with ``SOFTCAP`` Gemma 2's ``c * tanh(qk * scale / c) * log2(e)`` (``c = softcap``;
+    tanh as ``1 - 2 / (exp(2x) + 1)``, exact at both infinities)."""
+    if SOFTCAP:
+        x = qk * (scale / softcap)
+        return (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)) * (softcap * 1.4426950408889634)
+    else:
+        return qk * (scale * 1.4426950408889634)
+
+
 def m_bucket(m: int) -> int:
     """Autotune bucket of a GEMM's M (rows): 1, 2, 4, ... up to 256, then 512 for anything larger.
 

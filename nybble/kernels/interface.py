@@ -77,6 +77,10 @@ class AttentionBackend(Protocol):
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float,
-                kv_scale: torch.Tensor | None = None) -> torch.Tensor:
-        """Causal attention of each sequence's new tokens over its cached keys/values."""
+                kv_scale: torch.Tensor | None = None, window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
+        """Causal attention of each sequence's new tokens over its cached keys/values; with
+        ``window`` a query at position ``i`` sees keys ``i - window < j <= i`` only (a
+        sliding-window layer), with ``softcap`` each scaled score ``s`` becomes
+        ``softcap * tanh(s / softcap)`` (Gemma 2)."""
         ...

@@ -27,8 +27,12 @@ class TritonAttentionBackend:
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float,
-                kv_scale: torch.Tensor | None = None) -> torch.Tensor:
-        """Causal paged attention, ``[T, Hq, D] -> [T, Hq, D]`` (see the protocol)."""
+                kv_scale: torch.Tensor | None = None, window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
+        """Causal paged attention, ``[T, Hq, D] -> [T, Hq, D]`` (see the protocol; ``window``
+        and ``softcap`` as in :func:`~nybble.kernels.reference_attention.paged_attention`)."""
         if meta.is_decode_only:
-            return paged_decode_attention(query, kv_cache, meta, scale, kv_scale=kv_scale)
-        return paged_prefill_attention(query, kv_cache, meta, scale, kv_scale=kv_scale)
+            return paged_decode_attention(query, kv_cache, meta, scale, kv_scale=kv_scale,
+                                          window=window, softcap=softcap)
+        return paged_prefill_attention(query, kv_cache, meta, scale, kv_scale=kv_scale,
+                                       window=window, softcap=softcap)

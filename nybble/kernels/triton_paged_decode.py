@@ -6,13 +6,16 @@ output plus its running max and sum (FlashAttention-2 online softmax); a second,
 kernel rescales and combines the partials. KV is read through block tables as in
 PagedAttention (Kwon et al., SOSP 2023). All query heads sharing one KV head are processed as
 the rows of one tile, so each K/V tile is loaded once per group (GQA). Shapes follow
-:mod:`nybble.kernels.interface`.
+:mod:`nybble.kernels.interface`. A sliding-window layer's sequence is walked from position
+``seq_len - window`` only (no program, no partial for the splits before it); soft-capping
+(Gemma 2) caps each scaled score to ``c * tanh(s / c)``.
 """
 from __future__ import annotations
 
 import torch
 
 from nybble.kernels._triton import (
+    capped_log2_scores,
     cdiv,
     check_device,
     dot,
@@ -26,15 +29,13 @@ from nybble.kernels._triton import (
 from nybble.kernels.interface import AttentionMetadata
 from nybble.kernels.triton_cache import quant_mode, scale_arg
 
-_LOG2E = 1.4426950408889634  # 1/ln(2): softmax is computed with exp2
-
 
 @triton.jit
 def _paged_decode_split_kernel(
     # pointers
     q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, part_acc_ptr, part_ml_ptr, scale_ptr,
     # sizes
-    head_dim, block_size, group_size, partition_size, qk_scale, num_kv_heads,
+    head_dim, block_size, group_size, partition_size, scale, num_kv_heads, window, softcap,
     # strides
     stride_qt, stride_qh, stride_qd,
     stride_ckv, stride_cb, stride_cs, stride_ch, stride_cd,
@@ -44,8 +45,10 @@ def _paged_decode_split_kernel(
     # meta-parameters
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, QUANT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
-    """Program (b, kv head, split): online softmax over one partition of sequence b's keys.
+    """Program (b, kv head, split): online softmax over one partition of sequence b's keys
+    (those inside the window when ``window`` > 0).
     A quantized cache (``QUANT`` != 0) is read as ``float(q) * scale`` with the head's scales
     ``scale_ptr[0, h]`` (keys) and ``scale_ptr[1, h]`` (values).
 
@@ -56,10 +59,11 @@ def _paged_decode_split_kernel(
     pid_kvh = tl.program_id(1)
     pid_s = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + pid_b)
-    start = pid_s * partition_size
-    if start >= seq_len:  # NOTE: the reduce kernel never reads splits past the sequence
-        return
-    end = tl.minimum(start + partition_size, seq_len)
+    first = tl.where((window > 0) & (window < seq_len), seq_len - window, 0)
+    start = tl.maximum(pid_s * partition_size, first)
+    if start >= seq_len or pid_s * partition_size + partition_size <= first:
+        return  # NOTE: the reduce kernel reads only the splits [first // P, cdiv(seq_len, P))
+    end = tl.minimum(pid_s * partition_size + partition_size, seq_len)
     tok = tl.load(qsl_ptr + pid_b)  # decode: the sequence's single new token
 
     offs_g = tl.arange(0, BLOCK_G)
@@ -92,7 +96,8 @@ def _paged_decode_split_kernel(
             k = (k.to(tl.float32) * k_scale).to(q.dtype)
             v = (v.to(tl.float32) * v_scale).to(q.dtype)
 
-        qk = dot(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * qk_scale  # [G, N], log2 units
+        qk = capped_log2_scores(dot(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT), scale, softcap,
+                                SOFTCAP)  # [G, N], log2 units
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -114,7 +119,7 @@ def _paged_decode_reduce_kernel(
     # pointers
     part_acc_ptr, part_ml_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
     # sizes
-    head_dim, partition_size,
+    head_dim, partition_size, window,
     # strides
     stride_pab, stride_pah, stride_pas, stride_pad,
     stride_pmb, stride_pmh, stride_pms, stride_pmx,
@@ -127,6 +132,8 @@ def _paged_decode_reduce_kernel(
     pid_h = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + pid_b)
     num_splits = tl.cdiv(seq_len, partition_size)
+    first_split = tl.where((window > 0) & (window < seq_len), seq_len - window,
+                           0) // partition_size
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < head_dim
     m_run = tl.full([], float("-inf"), dtype=tl.float32)
@@ -134,7 +141,7 @@ def _paged_decode_reduce_kernel(
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     pm_base = part_ml_ptr + pid_b * stride_pmb + pid_h * stride_pmh
     pa_base = part_acc_ptr + pid_b * stride_pab + pid_h * stride_pah + offs_d * stride_pad
-    for s in range(num_splits):
+    for s in range(first_split, num_splits):
         m_s = tl.load(pm_base + s * stride_pms)
         l_s = tl.load(pm_base + s * stride_pms + stride_pmx)
         a_s = tl.load(pa_base + s * stride_pas, mask=mask_d, other=0.0)
@@ -169,7 +176,8 @@ def _decode_config(batch: int, num_kv_heads: int, max_seq_len: int,
 def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                            scale: float, out: torch.Tensor | None = None,
                            partition_size: int | None = None,
-                           kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+                           kv_scale: torch.Tensor | None = None, window: int | None = None,
+                           softcap: float | None = None) -> torch.Tensor:
     """Decode attention: each sequence's single new token over all of its cached keys.
 
     Args:
@@ -182,6 +190,9 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: At
         partition_size: tokens per split (a multiple of the key tile); ``None`` picks it from
             the batch shape (see :func:`_decode_config`). Tests use it to force many splits.
         kv_scale: ``[2, Hkv]`` float32 per-head scales of a quantized cache.
+        window: a sliding-window layer's window (the token sees the last ``window``
+            positions, itself included), or None.
+        softcap: ``c`` of the scores' soft-capping ``c * tanh(s / c)``, or None.
 
     Returns:
         ``[T, Hq, D]`` in ``query.dtype``; fp32 accumulation, softmax in exp2 form.
@@ -220,16 +231,17 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: At
     block_d = max(16, next_power_of_2(head_dim))  # tl.dot needs every dim >= 16: pad, mask
     _paged_decode_split_kernel[(batch, num_kv_heads, num_splits)](
         query, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, part_acc, part_ml,
-        scales, head_dim, block_size, group, partition, scale * _LOG2E, num_kv_heads,
+        scales, head_dim, block_size, group, partition, scale, num_kv_heads, window or 0,
+        float(softcap or 1.0),
         *query.stride(), *kv_cache.stride(), *meta.block_tables.stride(),
         *part_acc.stride(), *part_ml.stride(),
         BLOCK_G=max(16, next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
         DOT_PRECISION=tl_dtype_precision(query.dtype), UPCAST_DOT=upcast_dot(query.dtype),
-        QUANT=quant,
+        QUANT=quant, SOFTCAP=softcap is not None,
     )
     _paged_decode_reduce_kernel[(batch, num_heads)](
         part_acc, part_ml, meta.seq_lens, meta.query_start_loc, out,
-        head_dim, partition,
+        head_dim, partition, window or 0,
         *part_acc.stride(), *part_ml.stride(), *out.stride(),
         BLOCK_D=next_power_of_2(head_dim),
     )

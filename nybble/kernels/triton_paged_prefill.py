@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from nybble.kernels._triton import (
+    capped_log2_scores,
     cdiv,
     check_device,
     dot,
@@ -26,17 +27,16 @@ from nybble.kernels._triton import (
 from nybble.kernels.interface import AttentionMetadata
 from nybble.kernels.triton_cache import quant_mode, scale_arg
 
-_LOG2E = 1.4426950408889634  # 1/ln(2): softmax is computed with exp2
-
-
 @triton.jit
-def _attn_stage(acc, l_i, m_i, q, q_pos, cache_ptr, bt_row, lo, hi, kvh_off, qk_scale,
-                k_scale, v_scale, head_dim, block_size,
+def _attn_stage(acc, l_i, m_i, q, q_pos, cache_ptr, bt_row, lo, hi, kvh_off, scale,
+                k_scale, v_scale, head_dim, block_size, window, softcap,
                 stride_ckv, stride_cb, stride_cs, stride_cd, stride_btm,
                 CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, QUANT: tl.constexpr):
+                DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, QUANT: tl.constexpr,
+                SOFTCAP: tl.constexpr):
     """Online-softmax update of one query tile over keys ``lo .. hi-1`` (log2-unit scores);
-    a quantized cache (``QUANT`` != 0) is read as ``float(q) * k_scale`` / ``* v_scale``."""
+    a quantized cache (``QUANT`` != 0) is read as ``float(q) * k_scale`` / ``* v_scale``;
+    ``window`` > 0 hides keys at or before ``q_pos - window`` of each row."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < head_dim
@@ -53,17 +53,20 @@ def _attn_stage(acc, l_i, m_i, q, q_pos, cache_ptr, bt_row, lo, hi, kvh_off, qk_
             k = (k.to(tl.float32) * k_scale).to(q.dtype)
             v = (v.to(tl.float32) * v_scale).to(q.dtype)
 
-        qk = dot(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * qk_scale  # [M, N]
+        qk = capped_log2_scores(dot(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT), scale, softcap,
+                                SOFTCAP)  # [M, N]
         if CAUSAL:
             mask_s = mask_n[None, :] & (k_pos[None, :] <= q_pos[:, None])
         else:
             mask_s = mask_n[None, :]
+        mask_s = mask_s & ((window <= 0) | (k_pos[None, :] > q_pos[:, None] - window))
         qk = tl.where(mask_s, qk, float("-inf"))
-        # NOTE: every row has a finite max after the first tile of either stage (the first
-        # diagonal tile starts at the tile's first query position), so no -inf - -inf.
+        # NOTE: with a window a row may see no key of a tile (max -inf): exponents are taken
+        # against 0 then, so no -inf - -inf; the row's later tiles hold its visible keys.
         m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(qk - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
         m_i = m_new
@@ -75,7 +78,7 @@ def _paged_prefill_kernel(
     # pointers
     q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr, scale_ptr,
     # sizes
-    head_dim, block_size, group_size, qk_scale, num_kv_heads,
+    head_dim, block_size, group_size, scale, num_kv_heads, window, softcap,
     # strides
     stride_qt, stride_qh, stride_qd,
     stride_ckv, stride_cb, stride_cs, stride_ch, stride_cd,
@@ -84,8 +87,10 @@ def _paged_prefill_kernel(
     # meta-parameters
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, QUANT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
-    """Program (query tile, sequence b, query head h): rows ``pid_m*BLOCK_M ..`` of b's chunk."""
+    """Program (query tile, sequence b, query head h): rows ``pid_m*BLOCK_M ..`` of b's chunk
+    (with ``window`` > 0 the prefix stage starts at the tile's first visible key)."""
     pid_m = tl.program_id(0)
     pid_b = tl.program_id(1)
     pid_h = tl.program_id(2)
@@ -117,18 +122,19 @@ def _paged_prefill_kernel(
     bt_row = bt_ptr + pid_b * stride_btb
     diag_lo = ctx_len + pid_m * BLOCK_M  # keys below this are visible to every row of the tile
     diag_hi = tl.minimum(diag_lo + BLOCK_M, seq_len)
-    # stage 1: fully visible prefix, no causal mask
-    acc, l_i, m_i = _attn_stage(acc, l_i, m_i, q, q_pos, cache_ptr, bt_row, 0, diag_lo,
-                                kvh * stride_ch, qk_scale, k_scale, v_scale, head_dim,
-                                block_size, stride_ckv, stride_cb, stride_cs, stride_cd,
-                                stride_btm, False, BLOCK_N, BLOCK_D, DOT_PRECISION,
-                                UPCAST_DOT, QUANT)
+    lo = tl.where(window > 0, tl.maximum(diag_lo - window + 1, 0), 0)
+    # stage 1: the prefix, visible to every row (without a window), no causal mask
+    acc, l_i, m_i = _attn_stage(acc, l_i, m_i, q, q_pos, cache_ptr, bt_row, lo, diag_lo,
+                                kvh * stride_ch, scale, k_scale, v_scale, head_dim,
+                                block_size, window, softcap, stride_ckv, stride_cb, stride_cs,
+                                stride_cd, stride_btm, False, BLOCK_N, BLOCK_D, DOT_PRECISION,
+                                UPCAST_DOT, QUANT, SOFTCAP)
     # stage 2: the diagonal band, causal mask
     acc, l_i, m_i = _attn_stage(acc, l_i, m_i, q, q_pos, cache_ptr, bt_row, diag_lo, diag_hi,
-                                kvh * stride_ch, qk_scale, k_scale, v_scale, head_dim,
-                                block_size, stride_ckv, stride_cb, stride_cs, stride_cd,
-                                stride_btm, True, BLOCK_N, BLOCK_D, DOT_PRECISION,
-                                UPCAST_DOT, QUANT)
+                                kvh * stride_ch, scale, k_scale, v_scale, head_dim,
+                                block_size, window, softcap, stride_ckv, stride_cb, stride_cs,
+                                stride_cd, stride_btm, True, BLOCK_N, BLOCK_D, DOT_PRECISION,
+                                UPCAST_DOT, QUANT, SOFTCAP)
     out = acc / l_i[:, None]
     o_ptrs = out_ptr + (q_start + offs_m)[:, None] * stride_ot + pid_h * stride_oh \
         + offs_d[None, :] * stride_od
@@ -146,7 +152,8 @@ def _prefill_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, i
 
 def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                             scale: float, out: torch.Tensor | None = None,
-                            kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+                            kv_scale: torch.Tensor | None = None, window: int | None = None,
+                            softcap: float | None = None) -> torch.Tensor:
     """Varlen causal attention of each sequence's new tokens over its cached prefix and itself.
 
     Args:
@@ -158,6 +165,9 @@ def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: A
         scale: softmax scale (usually ``D ** -0.5``).
         out: optional ``[T, Hq, D]`` output buffer in ``query.dtype``.
         kv_scale: ``[2, Hkv]`` float32 per-head scales of a quantized cache.
+        window: a sliding-window layer's window (a query at ``i`` sees keys
+            ``i - window < j <= i``), or None.
+        softcap: ``c`` of the scores' soft-capping ``c * tanh(s / c)``, or None.
 
     Returns:
         ``[T, Hq, D]`` in ``query.dtype`` (fp32 accumulation). Rows of sequences with zero new
@@ -185,10 +195,11 @@ def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: A
     grid = (cdiv(meta.max_query_len, block_m), batch, num_heads)
     _paged_prefill_kernel[grid](
         query, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, out, scales,
-        head_dim, block_size, num_heads // num_kv_heads, scale * _LOG2E, num_kv_heads,
+        head_dim, block_size, num_heads // num_kv_heads, scale, num_kv_heads, window or 0,
+        float(softcap or 1.0),
         *query.stride(), *kv_cache.stride(), *meta.block_tables.stride(), *out.stride(),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, next_power_of_2(head_dim)),
         DOT_PRECISION=tl_dtype_precision(query.dtype), UPCAST_DOT=upcast_dot(query.dtype),
-        QUANT=quant, num_warps=num_warps, num_stages=num_stages,
+        QUANT=quant, SOFTCAP=softcap is not None, num_warps=num_warps, num_stages=num_stages,
     )
     return out

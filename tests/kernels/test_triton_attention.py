@@ -61,12 +61,14 @@ def make_batch(seqs: list[tuple[int, int]], block_size: int, num_heads: int, num
 
 
 def oracle(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-           scale: float) -> torch.Tensor:
+           scale: float, window: int | None = None,
+           softcap: float | None = None) -> torch.Tensor:
     """float64 reference on CPU copies."""
     cpu = AttentionMetadata(meta.slot_mapping.cpu(), meta.query_start_loc.cpu(),
                             meta.seq_lens.cpu(), meta.block_tables.cpu(), meta.max_query_len,
                             meta.max_seq_len, meta.is_decode_only)
-    return paged_attention(query.double().cpu(), kv_cache.double().cpu(), cpu, scale)
+    return paged_attention(query.double().cpu(), kv_cache.double().cpu(), cpu, scale,
+                           window=window, softcap=softcap)
 
 
 def check(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
@@ -140,6 +142,28 @@ def test_paged_prefill(block_size, hq, hkv, d, dtype, seqs, device):
     out = torch.full_like(query, float("nan"))
     paged_prefill_attention(query, kv_cache, meta, scale, out=out)
     check(out, oracle(query, kv_cache, meta, scale), dtype)
+
+
+WINDOW_CASES = [
+    # (window, softcap): shorter than the tiles and the prefixes, of one token, longer than
+    # every sequence; soft-capping alone and with a window
+    (5, None), (20, 1.5), (1, None), (None, 2.0), (200, None)]
+
+
+@pytest.mark.parametrize("window,softcap", WINDOW_CASES)
+def test_sliding_window_and_softcap(window, softcap, device):
+    """Decode (many splits, some before the window) and mixed prefill batches."""
+    scale = 16 ** -0.5
+    decode = make_batch([(c - 1, 1) for c in (100, 1, 47, 9)], 16, 4, 2, 16, torch.float32,
+                        device)
+    prefill = make_batch([(20, 1), (0, 37), (33, 15), (40, 33)], 16, 4, 2, 16, torch.float32,
+                         device)
+    for (query, kv_cache, meta), run in ((decode, paged_decode_attention),
+                                         (prefill, paged_prefill_attention)):
+        out = torch.full_like(query, float("nan"))
+        extra = {"partition_size": 16} if run is paged_decode_attention else {}
+        run(query, kv_cache, meta, scale, out=out, window=window, softcap=softcap, **extra)
+        check(out, oracle(query, kv_cache, meta, scale, window, softcap), torch.float32)
 
 
 def test_prefill_kernel_serves_decode(device):
