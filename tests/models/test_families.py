@@ -73,18 +73,3 @@ def test_engine_matches_transformers(family) -> None:
         assert finals[key].outputs[0].token_ids == _hf_greedy(hf, ids, 8), key
     assert_idle_and_clean(engine)
 
-
-@pytest.mark.triton_interpret
-@pytest.mark.parametrize("name", ["gemma2", "phi3"])
-def test_triton_backend_greedy_matches_transformers(name: str, tmp_path) -> None:
-    """The Triton kernels (the interpreter on CPU), a prompt longer than the window,
-    soft-capping (Gemma 2) and chunked prefill: transformers' greedy tokens."""
-    path = make_family_model(name, str(tmp_path))
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    engine = LLMEngine.from_engine_args(path, attention_backend="triton", dtype="float32",
-                                        max_num_batched_tokens=16, block_size=8)
-    prompts = {"long": list(range(50, 80)), "short": [1, 403, 407]}
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    finals = run_requests(engine, [(k, ids, params) for k, ids in prompts.items()])
-    for key, ids in prompts.items():
-        assert finals[key].outputs[0].token_ids == _hf_greedy(hf, ids, 6), key
