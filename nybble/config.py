@@ -22,7 +22,7 @@ DEFAULT_MODEL = os.path.join(os.path.dirname(__file__), "_bundled", "stories260k
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _ATTN_BACKENDS = ("auto", "cpu", "torch", "triton")
-_QUANT = (None, "awq", "gptq", "compressed-tensors")
+_QUANT = (None, "awq", "gptq", "compressed-tensors", "gguf")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "int8")
 """Allowed ``kv_cache_dtype`` values (vLLM's ``--kv-cache-dtype`` names)."""
 
@@ -42,15 +42,37 @@ def has_tokenizer_file(folder: str) -> bool:
     return os.path.isfile(os.path.join(folder, TOKENIZER_FILE))
 
 
+def is_gguf(model: str) -> bool:
+    """Whether the model path names a GGUF file (``.gguf``) rather than a folder."""
+    return model.lower().endswith(".gguf")
+
+
+def config_folder(model: str) -> str:
+    """The folder holding ``config.json`` for ``model``: the model folder itself, or the
+    side folder of a GGUF file (:func:`nybble.gguf.side_folder.side_folder_path`)."""
+    if not is_gguf(model):
+        return model
+    from nybble.gguf.side_folder import side_folder_path
+
+    return side_folder_path(model)
+
+
 def check_model_dir(model_dir: str) -> None:
     """Fail early, with a clear message, unless ``model_dir`` is a local model folder.
 
-    Cheap (no heavy import), so the CLI answers a bad path at once.
+    Cheap (no heavy import), so the CLI answers a bad path at once. A ``.gguf`` file is
+    checked instead (magic, version, every shard present) and its side folder of
+    Hugging Face files is written from its metadata if needed (:mod:`nybble.gguf.side_folder`).
 
     Raises:
         UnsupportedModelError: no such folder, a file instead of a folder, or no
-            ``config.json`` in it.
+            ``config.json`` in it; for a GGUF file, any of the checks above.
     """
+    if is_gguf(model_dir):
+        from nybble.gguf.side_folder import ensure_side_folder
+
+        ensure_side_folder(model_dir)
+        return
     if os.path.isfile(os.path.join(model_dir, "config.json")):
         return
     what = ("has no config.json" if os.path.isdir(model_dir) else
@@ -137,8 +159,9 @@ class ModelConfig:
     """Which model to load and how.
 
     Attributes:
-        model: path of a Hugging Face model folder (config.json + *.safetensors + tokenizer).
-        tokenizer: tokenizer folder; defaults to ``model``.
+        model: path of a Hugging Face model folder (config.json + *.safetensors + tokenizer)
+            or of a GGUF file (``.gguf``; config and tokenizer from its metadata).
+        tokenizer: tokenizer folder; defaults to ``model`` (a GGUF file's side folder).
         dtype: ``auto`` (the checkpoint's ``torch_dtype``; float16 for quantized checkpoints
             on GPU, float32 on CPU), ``float32``, ``float16`` or ``bfloat16``.
         max_model_len: longest sequence (prompt + output, tokens); default: the model's
@@ -183,13 +206,15 @@ class ModelConfig:
 
     @property
     def tokenizer_folder(self) -> str:
-        """Where the tokenizer files are (``tokenizer``, else the model folder)."""
-        return self.tokenizer or self.model
+        """Where the tokenizer files are (``tokenizer``, else the model folder, or the side
+        folder of a GGUF file)."""
+        return self.tokenizer or config_folder(self.model)
 
     @property
     def name(self) -> str:
         """The model name the API reports."""
-        return self.served_model_name or os.path.basename(os.path.normpath(self.model))
+        base = os.path.basename(os.path.normpath(self.model))
+        return self.served_model_name or (base[:-len(".gguf")] if is_gguf(base) else base)
 
 
 @dataclass(frozen=True)

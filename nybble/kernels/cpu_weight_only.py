@@ -92,6 +92,8 @@ def prepare(iw: IntWeight, scales: torch.Tensor) -> tuple[CpuWeight | None, str]
         (the caller then keeps the reference path).
     """
     k, n = iw.q.shape
+    if iw.mins is not None:
+        return None, "float per-group minimums (GGUF y = d*q + m) are not in the CPU kernel yet"
     if iw.bits not in (4, 8):
         return None, f"bits must be 4 or 8 for the CPU kernel, got {iw.bits}"
     gs = iw.group_size

@@ -22,7 +22,8 @@ def _matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torc
 
 def gptq_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
               scales: torch.Tensor, g_idx: torch.Tensor | None, bits: int, group_size: int,
-              zero_offset: int, sym: bool, bias: torch.Tensor | None = None) -> torch.Tensor:
+              zero_offset: int, sym: bool, bias: torch.Tensor | None = None,
+              mins: torch.Tensor | None = None) -> torch.Tensor:
     """``y = x @ dequant_gptq(...)^T + bias``.
 
     Args:
@@ -30,7 +31,8 @@ def gptq_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
         qzeros: int32 ``[G, N*bits/32]``. scales: ``[G, N]``. g_idx: int32 ``[K]`` or None.
         bits: 4 or 8. group_size: -1 (= K) or the group width.
         zero_offset: 1 for gptq v1, 0 for gptq_v2. sym: fixed zero ``2^(bits-1)``.
-        bias: ``[N]`` or None.
+        bias: ``[N]`` or None. mins: ``[G, N]`` float per-group minimum (``W = s * q + m``,
+            the zeros ignored; GGUF's Q4_1/Q4_K/Q5_1/Q5_K) or None.
 
     Returns:
         ``[M, N]`` in ``x.dtype``.
@@ -39,8 +41,9 @@ def gptq_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
         from nybble.kernels import triton_quant_gemm
 
         return triton_quant_gemm.gptq_gemm(x, qweight, qzeros, scales, g_idx, bits, group_size,
-                                           zero_offset, sym, bias)
-    w = dequantize_gptq(qweight, qzeros, scales, g_idx, bits, group_size, zero_offset, sym)
+                                           zero_offset, sym, bias, mins=mins)
+    w = dequantize_gptq(qweight, qzeros, scales, g_idx, bits, group_size, zero_offset, sym,
+                        mins)
     return _matmul(x, w, bias)
 
 

@@ -29,7 +29,9 @@ def default_g_idx(k: int, group_size: int, device: torch.device | None = None) -
 @dataclass(frozen=True)
 class IntWeight:
     """A quantized weight as plain integers, whatever its checkpoint layout:
-    ``W[n, k] = scale[g[k], n] * (q[k, n] - zero[g[k], n])``.
+    ``W[n, k] = scale[g[k], n] * (q[k, n] - zero[g[k], n])``, or, with ``mins`` (GGUF's
+    Q4_1/Q5_1/Q4_K/Q5_K, ``y = d * q + m``), ``W[n, k] = scale[g[k], n] * q[k, n] +
+    mins[g[k], n]`` (``zero`` ignored).
 
     Attributes:
         q: int32 ``[K, N]`` in ``[0, 2^bits)`` (may be a transposed view).
@@ -37,6 +39,7 @@ class IntWeight:
         g_idx: int64 ``[K]`` group of every input row, or None for contiguous groups
             (``g[k] = k // group_size``).
         group_size: the real, positive group width. bits: 4 or 8 (2 for GPTQ).
+        mins: float ``[G, N]`` per-group minimum added after the scaling, or None.
     """
 
     q: torch.Tensor
@@ -44,13 +47,17 @@ class IntWeight:
     g_idx: torch.Tensor | None
     group_size: int
     bits: int
+    mins: torch.Tensor | None = None
 
 
 def dequantize_int_weight(iw: IntWeight, scales: torch.Tensor) -> torch.Tensor:
     """``W [N, K]`` in ``scales.dtype`` from an :class:`IntWeight` and ``scales [G, N]``.
 
     ``q - zero`` is formed as an integer, multiplied by the scale in float32 (exact for
-    |q - z| < 2^8 and fp16 scales) and rounded once to the scale dtype (§3.5/§4.3).
+    |q - z| < 2^8 and fp16 scales) and rounded once to the scale dtype (§3.5/§4.3). With
+    ``iw.mins``: ``scale * q`` rounded to the scale dtype, then ``+ mins`` rounded again
+    (gguf-py's and ggml's order of operations, so float32 scales and mins give their
+    dequantized weights bit for bit).
 
     Returns:
         a transposed view of a contiguous ``[K, N]`` tensor, so ``x @ W.t()`` reads it in
@@ -60,15 +67,23 @@ def dequantize_int_weight(iw: IntWeight, scales: torch.Tensor) -> torch.Tensor:
     gs = iw.group_size
     if iw.g_idx is None and k % gs == 0:  # contiguous groups: broadcast, no gather
         g = k // gs
+        if iw.mins is not None:
+            w = _scale_mul(iw.q.reshape(g, gs, n), scales.reshape(g, 1, n))
+            return (w + iw.mins.reshape(g, 1, n).to(w.dtype)).reshape(k, n).t()
         qz = iw.q.reshape(g, gs, n) - iw.zero.reshape(g, 1, n)
         return _scale_mul(qz, scales.reshape(g, 1, n)).reshape(k, n).t()
     gi = default_g_idx(k, gs, iw.q.device) if iw.g_idx is None else iw.g_idx
+    if iw.mins is not None:
+        w = _scale_mul(iw.q, scales[gi])
+        return (w + iw.mins[gi].to(w.dtype)).t()
     return _scale_mul(iw.q - iw.zero[gi], scales[gi]).t()
 
 
 def gptq_int_weight(qweight: torch.Tensor, qzeros: torch.Tensor, g_idx: torch.Tensor | None,
-                    bits: int, group_size: int, zero_offset: int, sym: bool) -> IntWeight:
-    """The integers of a GPTQ weight (§3.2-3.4); arguments as :func:`dequantize_gptq`."""
+                    bits: int, group_size: int, zero_offset: int, sym: bool,
+                    mins: torch.Tensor | None = None) -> IntWeight:
+    """The integers of a GPTQ weight (§3.2-3.4); arguments as :func:`dequantize_gptq`
+    (``mins``: the float-minimum variant, :class:`IntWeight`)."""
     q = unpack_rows(qweight, bits)  # [K, N]
     n = q.shape[1]
     if sym:
@@ -77,12 +92,13 @@ def gptq_int_weight(qweight: torch.Tensor, qzeros: torch.Tensor, g_idx: torch.Te
     else:
         z = (unpack_cols(qzeros, bits)[:, :n] + zero_offset) & ((1 << bits) - 1)
     gi = None if g_idx is None else g_idx.to(torch.int64)
-    return IntWeight(q, z, gi, q.shape[0] if group_size == -1 else group_size, bits)
+    return IntWeight(q, z, gi, q.shape[0] if group_size == -1 else group_size, bits, mins)
 
 
 def dequantize_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
                     g_idx: torch.Tensor | None, bits: int, group_size: int,
-                    zero_offset: int, sym: bool) -> torch.Tensor:
+                    zero_offset: int, sym: bool,
+                    mins: torch.Tensor | None = None) -> torch.Tensor:
     """GPTQ dequantization (§3.5).
 
     Args:
@@ -93,12 +109,15 @@ def dequantize_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.T
         bits: 2, 4 or 8. group_size: -1 (one group) or a positive width.
         zero_offset: 1 for v1 ``"gptq"`` (field stores ``z - 1``), 0 for ``"gptq_v2"``.
         sym: True -> ``z = 2^(bits-1)`` for every group, ``qzeros`` ignored (§3.3).
+        mins: ``[G, N]`` float per-group minimum (GGUF's ``y = d * q + m``), or None.
 
     Returns:
-        ``W [N, K]`` in ``scales.dtype``: ``W[n, k] = scales[g, n] * (q[k, n] - z[g, n])``.
+        ``W [N, K]`` in ``scales.dtype``: ``W[n, k] = scales[g, n] * (q[k, n] - z[g, n])``
+        (``scales[g, n] * q[k, n] + mins[g, n]`` with ``mins``).
     """
     return dequantize_int_weight(
-        gptq_int_weight(qweight, qzeros, g_idx, bits, group_size, zero_offset, sym), scales)
+        gptq_int_weight(qweight, qzeros, g_idx, bits, group_size, zero_offset, sym, mins),
+        scales)
 
 
 def awq_int_weight(qweight: torch.Tensor, qzeros: torch.Tensor, group_size: int) -> IntWeight:

@@ -41,12 +41,14 @@ def _autotune_enabled() -> bool:
 
 
 @triton.jit
-def _dequant_tile(qw_ptr, qz_ptr, sc_ptr, gidx_ptr, k0, offs_k, offs_n, mask_k, mask_n,
+def _dequant_tile(qw_ptr, qz_ptr, sc_ptr, gidx_ptr, mn_ptr, k0, offs_k, offs_n, mask_k, mask_n,
                   stride_qwk, stride_qwn, stride_qzg, stride_qzn, stride_sg, stride_sn,
+                  stride_mg, stride_mn,
                   BITS: tl.constexpr, IS_AWQ: tl.constexpr, HAS_GIDX: tl.constexpr,
                   SYM: tl.constexpr, ZERO_OFFSET: tl.constexpr, GROUP_SIZE: tl.constexpr,
-                  BLOCK_K: tl.constexpr):
-    """Dequantized ``[BLOCK_K, BLOCK_N]`` fp32 tile of ``Wt`` (rows offs_k, columns offs_n)."""
+                  BLOCK_K: tl.constexpr, HAS_MINS: tl.constexpr):
+    """Dequantized ``[BLOCK_K, BLOCK_N]`` fp32 tile of ``Wt`` (rows offs_k, columns offs_n):
+    ``s * (q - z)``, or ``s * q + m`` with per-group minimums (``HAS_MINS``, GGUF)."""
     MASK: tl.constexpr = (1 << BITS) - 1
     PACK: tl.constexpr = 32 // BITS  # values per int32 word
     mask_kn = mask_k[:, None] & mask_n[None, :]
@@ -74,6 +76,9 @@ def _dequant_tile(qw_ptr, qz_ptr, sc_ptr, gidx_ptr, k0, offs_k, offs_n, mask_k, 
         g = (offs_k // GROUP_SIZE)[:, None]
         mask_s = mask_kn
     s = tl.load(sc_ptr + g * stride_sg + offs_n[None, :] * stride_sn, mask=mask_s, other=0.0)
+    if HAS_MINS:  # W = s * q + m (GGUF Q4_1/Q4_K/Q5_1/Q5_K): no zero point
+        mn = tl.load(mn_ptr + g * stride_mg + offs_n[None, :] * stride_mn, mask=mask_s, other=0.0)
+        return q.to(tl.float32) * s.to(tl.float32) + mn.to(tl.float32)
     if SYM:
         z = 1 << (BITS - 1)  # symmetric GPTQ: fixed zero 2^(b-1), qzeros ignored
     else:
@@ -89,14 +94,15 @@ def _dequant_tile(qw_ptr, qz_ptr, sc_ptr, gidx_ptr, k0, offs_k, offs_n, mask_k, 
 @triton.jit
 def _quant_gemm_kernel(
     # pointers
-    x_ptr, qw_ptr, qz_ptr, sc_ptr, gidx_ptr, bias_ptr, c_ptr,
+    x_ptr, qw_ptr, qz_ptr, sc_ptr, gidx_ptr, mn_ptr, bias_ptr, c_ptr,
     # sizes
     M, N, K, M_BUCKET,
     # strides
     stride_xm, stride_xk, stride_qwk, stride_qwn, stride_qzg, stride_qzn,
-    stride_sg, stride_sn, stride_cm, stride_cn,
+    stride_sg, stride_sn, stride_mg, stride_mn, stride_cm, stride_cn,
     # meta-parameters
     BITS: tl.constexpr, IS_AWQ: tl.constexpr, HAS_GIDX: tl.constexpr, SYM: tl.constexpr,
+    HAS_MINS: tl.constexpr,
     ZERO_OFFSET: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -124,9 +130,10 @@ def _quant_gemm_kernel(
         mask_k = offs_k < K
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
                     mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        w = _dequant_tile(qw_ptr, qz_ptr, sc_ptr, gidx_ptr, k0, offs_k, offs_n, mask_k, mask_n,
-                          stride_qwk, stride_qwn, stride_qzg, stride_qzn, stride_sg, stride_sn,
-                          BITS, IS_AWQ, HAS_GIDX, SYM, ZERO_OFFSET, GROUP_SIZE, BLOCK_K)
+        w = _dequant_tile(qw_ptr, qz_ptr, sc_ptr, gidx_ptr, mn_ptr, k0, offs_k, offs_n, mask_k,
+                          mask_n, stride_qwk, stride_qwn, stride_qzg, stride_qzn, stride_sg,
+                          stride_sn, stride_mg, stride_mn, BITS, IS_AWQ, HAS_GIDX, SYM,
+                          ZERO_OFFSET, GROUP_SIZE, BLOCK_K, HAS_MINS)
         # NOTE: the weight is rounded to the activation dtype, as the tools' fp16 dequant does
         acc += dot(x, w.to(x.dtype), DOT_PRECISION, UPCAST_DOT)
 
@@ -165,7 +172,7 @@ def _tiled_configs() -> list[triton.Config]:
             _config(128, 128, 32, 1, 8, 3), _config(128, 128, 64, 1, 8, 3)]
 
 
-_KEY = ["M_BUCKET", "N", "K", "BITS", "IS_AWQ", "HAS_GIDX", "GROUP_SIZE"]
+_KEY = ["M_BUCKET", "N", "K", "BITS", "IS_AWQ", "HAS_GIDX", "GROUP_SIZE", "HAS_MINS"]
 # NOTE: the split-K path accumulates with atomic_add into ``c``, so a launch is only right if
 # ``c`` starts at zero (the host allocates it zeroed). Autotuning, on the first call for a key,
 # launches every config several times into that same ``c``; those partial sums would pile up.
@@ -179,7 +186,7 @@ _tiled_kernel = triton.autotune(configs=_tiled_configs(), key=_KEY)(_quant_gemm_
 def _launch(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
             g_idx: torch.Tensor | None, bias: torch.Tensor | None, n: int, *, bits: int,
             group_size: int, is_awq: bool, sym: bool, zero_offset: int,
-            out: torch.Tensor | None) -> torch.Tensor:
+            out: torch.Tensor | None, mins: torch.Tensor | None = None) -> torch.Tensor:
     """Shared host side: flatten x, pick the path, allocate, launch, epilogue."""
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
@@ -190,7 +197,8 @@ def _launch(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales
         raise ValueError(f"out must be {(*lead, n)} {x.dtype}, got {tuple(out.shape)} {out.dtype}")
     if m == 0:
         return out
-    check_device(*(t for t in (x, qweight, qzeros, scales, g_idx, bias, out) if t is not None))
+    check_device(*(t for t in (x, qweight, qzeros, scales, g_idx, bias, out, mins)
+                   if t is not None))
     out2 = out.view(-1, n)
     small = m <= SMALL_M_MAX
     c = torch.zeros(m, n, dtype=torch.float32, device=x.device) if small else out2
@@ -202,10 +210,13 @@ def _launch(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales
 
     kernel[grid](
         x2, qweight, qzeros, scales, g_idx if g_idx is not None else dummy,
+        mins if mins is not None else dummy,
         bias if (bias is not None and not small) else dummy, c,
         m, n, k, m_bucket(m),
-        *x2.stride(), *qweight.stride(), *qzeros.stride(), *scales.stride(), *c.stride(),
-        BITS=bits, IS_AWQ=is_awq, HAS_GIDX=g_idx is not None, SYM=sym, ZERO_OFFSET=zero_offset,
+        *x2.stride(), *qweight.stride(), *qzeros.stride(), *scales.stride(),
+        *(mins if mins is not None else scales).stride(), *c.stride(),
+        BITS=bits, IS_AWQ=is_awq, HAS_GIDX=g_idx is not None, SYM=sym, HAS_MINS=mins is not None,
+        ZERO_OFFSET=zero_offset,
         GROUP_SIZE=group_size, HAS_BIAS=bias is not None and not small,
         DOT_PRECISION=tl_dtype_precision(x.dtype), UPCAST_DOT=upcast_dot(x.dtype),
     )
@@ -218,8 +229,11 @@ def _launch(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales
 
 def gptq_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
               g_idx: torch.Tensor | None, bits: int, group_size: int, zero_offset: int, sym: bool,
-              bias: torch.Tensor | None, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """GPTQ dequant-GEMM, ``y = x @ Wt + bias`` with ``Wt[k, n] = s[g, n] * (q[k, n] - z[g, n])``.
+              bias: torch.Tensor | None, *, out: torch.Tensor | None = None,
+              mins: torch.Tensor | None = None) -> torch.Tensor:
+    """GPTQ dequant-GEMM, ``y = x @ Wt + bias`` with ``Wt[k, n] = s[g, n] * (q[k, n] - z[g, n])``
+    (or ``s[g, n] * q[k, n] + mins[g, n]`` with ``mins``: the float-minimum INT4/INT8 variant
+    that GGUF's Q4_1/Q4_K/Q5_1/Q5_K load into).
 
     Layout: docs/quant-formats.md §3 (AutoGPTQ "gptq" v1 / GPTQModel "gptq_v2").
 
@@ -238,6 +252,7 @@ def gptq_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scal
         sym: True: ``z = 2^(bits-1)`` for every group and ``qzeros`` is not read.
         bias: ``[N]`` or None.
         out: optional preallocated ``[M, N]`` output in ``x.dtype``.
+        mins: float ``[G, N]`` per-group minimums (``qzeros`` then not read), or None.
 
     Returns:
         ``[M, N]`` in ``x.dtype``; fp32 accumulation.
@@ -245,6 +260,9 @@ def gptq_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scal
     Raises:
         ValueError: unsupported bits, inconsistent shapes or dtypes, or device unsupported.
     """
+    if mins is not None and mins.shape != scales.shape:
+        raise ValueError(f"mins must have the shape of scales {tuple(scales.shape)}, got "
+                         f"{tuple(mins.shape)}")
     if bits not in (4, 8):
         raise ValueError(f"bits must be 4 or 8, got {bits}")
     if zero_offset not in (0, 1):
@@ -267,7 +285,7 @@ def gptq_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scal
     if g_idx is not None and g_idx.dtype != torch.int32:
         g_idx = g_idx.to(torch.int32)
     return _launch(x, qweight, qzeros, scales, g_idx, bias, n, bits=bits, group_size=group_size,
-                   is_awq=False, sym=sym, zero_offset=zero_offset, out=out)
+                   is_awq=False, sym=sym, zero_offset=zero_offset, out=out, mins=mins)
 
 
 def awq_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,

@@ -7,6 +7,8 @@ JSON text in its start-up handshake.
 """
 from __future__ import annotations
 
+import os
+
 from nybble.config import has_tokenizer_file
 from nybble.runtime.tokenizer import Tokenizer
 
@@ -14,11 +16,24 @@ from nybble.runtime.tokenizer import Tokenizer
 def fast_tokenizer_json(folder: str) -> str:
     """The folder's tokenizer as ``tokenizer.json`` text, converted by transformers.
 
+    The side folder of a GGUF file (:mod:`nybble.gguf.side_folder`) is built from the GGUF
+    metadata (transformers' GGUF tokenizer support; no weight is read) and the result is
+    stored there as ``tokenizer.json``.
+
     Raises:
         ValueError: transformers cannot build a fast tokenizer for the folder.
     """
     from transformers import AutoTokenizer
 
+    from nybble.gguf.side_folder import gguf_source, store_tokenizer_json
+
+    source = gguf_source(folder)
+    if source is not None:
+        hf = AutoTokenizer.from_pretrained(os.path.dirname(source),
+                                           gguf_file=os.path.basename(source))
+        text = str(hf.backend_tokenizer.to_str())
+        store_tokenizer_json(folder, text)
+        return text
     hf = AutoTokenizer.from_pretrained(folder)
     backend = getattr(hf, "backend_tokenizer", None)
     if backend is None:
