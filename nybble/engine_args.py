@@ -36,12 +36,14 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     """
     if model_positional:
         parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                            help="model folder (Hugging Face layout); default: the bundled "
-                                 "stories260k model")
+                            help="model folder (Hugging Face layout) or GGUF file; default: "
+                                 "the bundled stories260k model")
     parser.add_argument("--model", default=None,
-                        help="model folder (Hugging Face layout); default: the bundled "
-                             "stories260k model (nybble.DEFAULT_MODEL)")
-    parser.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model)")
+                        help="model folder (Hugging Face layout) or .gguf file (config, "
+                             "tokenizer and chat template from its metadata); default: the "
+                             "bundled stories260k model (nybble.DEFAULT_MODEL)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="tokenizer folder (default: the model; a GGUF file's metadata)")
     parser.add_argument("--dtype", default="auto",
                         choices=["auto", "float32", "float16", "bfloat16"],
                         help="weight and activation dtype (auto: the checkpoint's on GPU, "
@@ -50,7 +52,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
                         help="longest sequence in tokens, prompt + output "
                              "(default: the model's max_position_embeddings)")
     parser.add_argument("--quantization", "-q", default=None,
-                        choices=["awq", "gptq", "compressed-tensors"],
+                        choices=["awq", "gptq", "compressed-tensors", "gguf"],
                         help="quantization method; must match the checkpoint "
                              "(default: detected from its quantization_config)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],

@@ -226,3 +226,35 @@ def test_gptq_rejects_bad_bits(device):
     w = torch.zeros(1, 8, dtype=torch.int32, device=device)
     with pytest.raises(ValueError, match="bits must be 4 or 8"):
         gptq_gemm(x, w, w, torch.ones(1, 8, device=device), None, 3, -1, 0, True, None)
+
+
+MINS_CASES = [
+    # (bits, group_size, dtype, M, K, N): GGUF Q4_1/Q4_K (4-bit g32), Q5_1/Q5_K (8-bit g32)
+    (4, 32, torch.float32, 1, 256, 80),    # decode, split-K
+    (4, 32, torch.float16, 33, 256, 96),   # tiled
+    (8, 32, torch.float32, 3, 128, 64),
+    (8, 32, torch.bfloat16, 17, 256, 80),
+]
+
+
+@pytest.mark.parametrize("bits,group_size,dtype,m,k,n", MINS_CASES)
+def test_gptq_gemm_float_minimums(bits, group_size, dtype, m, k, n, device):
+    """``W = s * q + m`` (GGUF's minimum variant) against a float64 oracle from the integers."""
+    g = k // group_size
+    q = torch.randint(0, 1 << bits, (k, n))
+    scales = torch.rand(g, n) * 0.02 + 0.005
+    mins = -torch.rand(g, n) * 0.1
+    qweight = pack_fields(q, bits, 0)
+    qzeros = pack_fields(torch.randint(0, 1 << bits, (g, n)), bits, 1)  # must be ignored
+    gi = torch.arange(k) // group_size
+    wt = q.double() * scales.double()[gi] + mins.double()[gi]
+    x = torch.randn(m, k).to(dtype)
+    ref = x.double() @ wt
+    dev = [t.to(device) for t in (x, qweight, qzeros, scales, mins)]
+    got = gptq_gemm(dev[0], dev[1], dev[2], dev[3], None, bits, group_size, 0, False, None,
+                    mins=dev[4])
+    err = (got.cpu().double() - ref).abs().max().item() / ref.abs().max().item()
+    assert err < TOL[dtype], f"relative error {err:.3g}"
+    with pytest.raises(ValueError, match="mins must have the shape of scales"):
+        gptq_gemm(dev[0], dev[1], dev[2], dev[3], None, bits, group_size, 0, False, None,
+                  mins=dev[4][:1])
