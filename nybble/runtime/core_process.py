@@ -24,7 +24,6 @@ still holds, reports :class:`EngineCoreFatal` and exits, so the API process turn
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
 import os
 import signal
@@ -56,6 +55,7 @@ from nybble.runtime.messages import (
     decode_config,
 )
 from nybble.runtime.torch_threads import apply_torch_threads
+from nybble.oslimits import die_with_parent
 from nybble.startup_gc import startup_gc_paused
 from nybble.threads import resolve_threads, set_thread_env
 
@@ -70,23 +70,6 @@ PARENT_CHECK_S = 1.0
 """How often the busy core checks that its parent is alive (seconds)."""
 MAX_CONSECUTIVE_STEP_FAILURES = 3
 """Failed steps in a row after which the core gives up (the API process reports 503)."""
-_PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """Ask Linux to SIGKILL this process when its parent exits; exit now if it already has.
-
-    NOTE: the signal fires when the parent *thread* that spawned us exits: the client spawns
-    from the main thread. Elsewhere than Linux only the loop's parent check applies.
-    """
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-            logger.warning("prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(1)
-
-
 class CoreProc:
     """The busy loop around one :class:`EngineCore` (see the module's docstring).
 

@@ -20,6 +20,7 @@ from nybble.distributed import channel
 from nybble.distributed.comm import TPGroup, destroy_tp_group, init_tp_group
 from nybble.kernels import get_attention_backend
 from nybble.models.loader import LoadedModel, load_model
+from nybble.oslimits import die_with_parent
 from nybble.runtime.kv_cache import KVCacheSpec, kv_storage_dtype
 from nybble.runtime.model_runner import ModelRunner
 from nybble.runtime.tp_step import unpack_step
@@ -113,7 +114,6 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of an ``mp`` worker process (``python -m nybble.runtime.tp_worker``):
     dies with its parent (``PR_SET_PDEATHSIG``, and a check every second while idle).
     Returns the exit code."""
-    from nybble.runtime.core_process import die_with_parent
     from nybble.runtime.messages import decode_config
 
     parser = argparse.ArgumentParser(prog="nybble.runtime.tp_worker")
