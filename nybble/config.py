@@ -4,7 +4,7 @@
 :class:`SchedulerConfig`, :class:`CompilationConfig` and :class:`ParallelConfig`. Every field is validated at construction with a message that
 names the value received and the allowed range. Nothing mutates a config after it is built;
 values derived at start-up live elsewhere: the number of KV blocks in
-``nybble.runtime.kv_cache.KVCacheSpec``, the EOS ids and the model's dimensions
+``nybble.runtime.worker.kv_cache.KVCacheSpec``, the EOS ids and the model's dimensions
 (``nybble.models.shape.ModelShape``) in ``nybble.models.loader.LoadedModel``.
 """
 from __future__ import annotations
@@ -38,7 +38,7 @@ TOKENIZER_FILE = "tokenizer.json"
 
 def has_tokenizer_file(folder: str) -> bool:
     """Whether ``folder`` holds a ``tokenizer.json`` (else the tokenizer needs transformers'
-    conversion, see ``nybble.runtime.hf_tokenizer``)."""
+    conversion, see ``nybble.tokenizer.hf_tokenizer``)."""
     return os.path.isfile(os.path.join(folder, TOKENIZER_FILE))
 
 

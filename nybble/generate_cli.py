@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
     """Generate and print; returns the exit code (invalid input raises, and ``nybble``
     turns that into one error line and exit code 2)."""
     engine_config_from_args(args).model_config.check_folders()  # NOTE: before torch: fast
-    from nybble.runtime.torch_threads import setup_threads
+    from nybble.runtime.worker.torch_threads import setup_threads
     from nybble.startup_gc import startup_gc_paused
 
     with startup_gc_paused():  # NOTE: imports and model load: nothing to collect

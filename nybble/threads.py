@@ -11,7 +11,7 @@ environment sets it; else the physical cores this process may run on, minus one 
 HTTP side) when there are more than two, and 1 on one or two cores. The OpenMP wait policy is
 ``PASSIVE`` (idle threads sleep instead of spinning) unless the environment says otherwise.
 Both must be set before torch is imported (:func:`set_thread_env`); torch's own setting follows
-(:mod:`nybble.runtime.torch_threads`). This module imports no torch: the API server process
+(:mod:`nybble.runtime.worker.torch_threads`). This module imports no torch: the API server process
 uses it too.
 """
 from __future__ import annotations

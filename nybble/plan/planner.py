@@ -1,6 +1,6 @@
 """The memory plan of a model on a GPU: weights, KV bytes per token, what fits.
 
-The KV side is the engine's own arithmetic (:mod:`nybble.runtime.kv_plan`: the budget the
+The KV side is the engine's own arithmetic (:mod:`nybble.runtime.worker.kv_plan`: the budget the
 engine takes from free memory, bytes per block, blocks in a budget), so ``nybble plan`` and
 ``nybble serve`` on a GPU of that size agree to the block. What the engine measures at
 start-up (free memory after the weights) the planner derives as ``gpu_memory - weights``;
@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 from nybble.models.shape import ModelShape
 from nybble.plan.weights import TensorInfo, weight_bytes
-from nybble.runtime.kv_plan import (
+from nybble.runtime.worker.kv_plan import (
     KV_CACHE_DTYPES,
     KVLayout,
     blocks_in_budget,

@@ -10,7 +10,7 @@ their buffer bytes is the checkpoint's packed weight memory (:func:`weight_bytes
 ``-1``).
 
 CPU: a module loaded on the CPU also repacks its weight once for nybble's weight-only kernel
-(:mod:`nybble.kernels.cpu_weight_only`; about 0.5 extra bytes per INT4 weight, 1 per INT8,
+(:mod:`nybble.kernels.cpu.weight_only`; about 0.5 extra bytes per INT4 weight, 1 per INT8,
 plus float32 scales and zero points), used for calls of up to ``MAX_ROWS`` tokens (decode);
 longer calls (prefill), float64 calls (the test oracle) and layouts the kernel cannot take use
 the reference dequantization. Each distinct choice is logged once per model
@@ -25,9 +25,10 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from nybble.kernels import cpu_weight_only, quant_ops
+from nybble.kernels import quant_ops
+from nybble.kernels.cpu import weight_only as cpu_weight_only
 from nybble.kernels.packing import pack_factor
-from nybble.kernels.reference_quant import (
+from nybble.kernels.reference.quant import (
     IntWeight,
     awq_int_weight,
     default_g_idx,

@@ -7,7 +7,7 @@ import logging
 import os
 
 from nybble.config import check_model_dir
-from nybble.runtime.torch_threads import setup_threads
+from nybble.runtime.worker.torch_threads import setup_threads
 from nybble.threads import add_threads_arg
 
 logger = logging.getLogger(__name__)

@@ -9,8 +9,8 @@ from tqdm import tqdm
 
 from nybble.config import EngineConfig
 from nybble.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, RequestOutput
-from nybble.runtime.engine import LLMEngine
-from nybble.runtime.tokenizer import Tokenizer
+from nybble.runtime.llm_engine import LLMEngine
+from nybble.tokenizer.tokenizer import Tokenizer
 from nybble.sampling_params import BeamSearchParams, SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]
@@ -102,7 +102,7 @@ class LLM:
 
         The rule is transformers' (``generate(num_beams=beam_width, do_sample=False,
         length_penalty=..., early_stopping=...)``); see docs/serving.md ("Beam search")
-        and :mod:`nybble.runtime.beam_search`.
+        and :mod:`nybble.runtime.engine.beam_search`.
 
         Args:
             prompts: text, token ids, or a list of them.

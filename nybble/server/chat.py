@@ -5,7 +5,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from nybble.outputs import CompletionOutput, RequestOutput
-from nybble.runtime.input_processor import ParamNames
+from nybble.runtime.frontend.input_processor import ParamNames
 from nybble.server.auth import require_api_key
 from nybble.server.logprobs import SampleDecoder, chat_logprobs
 from nybble.server.openapi import generation_responses

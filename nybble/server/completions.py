@@ -8,7 +8,7 @@ from fastapi.responses import Response
 
 from nybble.errors import InvalidRequestError
 from nybble.outputs import CompletionOutput, RequestOutput
-from nybble.runtime.input_processor import DEFAULT_NAMES
+from nybble.runtime.frontend.input_processor import DEFAULT_NAMES
 from nybble.sampling_params import SamplingParams
 from nybble.server.auth import require_api_key
 from nybble.server.logprobs import SampleDecoder, completion_logprobs

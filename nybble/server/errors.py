@@ -32,7 +32,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nybble.errors import InvalidRequestError, ModelNotFoundError, NybbleError
-from nybble.runtime.async_engine import (
+from nybble.runtime.frontend.async_engine import (
     EngineDeadError,
     EngineOverloadedError,
     EngineRequestError,

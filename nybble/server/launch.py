@@ -16,7 +16,7 @@ Signals: the first SIGINT or SIGTERM stops accepting connections and ends every 
 flight at once (streams end with ``finish_reason: "abort"`` and ``[DONE]``, waiting callers get
 a 503 JSON error), then the core is stopped and the process exits 0; a second signal kills the
 core and exits at once. The core dies with this process in any case (see
-:mod:`nybble.runtime.core_process`).
+:mod:`nybble.runtime.engine.core_process`).
 """
 from __future__ import annotations
 
@@ -33,11 +33,11 @@ from typing import TYPE_CHECKING
 
 from nybble.config import EngineConfig, has_tokenizer_file
 from nybble.oslimits import raise_open_file_limit
-from nybble.runtime.core_spawn import spawn_core
+from nybble.runtime.frontend.core_spawn import spawn_core
 from nybble.server.config import ServerConfig
 
 if TYPE_CHECKING:
-    from nybble.runtime.core_client import CoreClient
+    from nybble.runtime.frontend.core_client import CoreClient
     from nybble.server.state import Startup
 
 logger = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     # NOTE: imported after the spawn (see the module's docstring)
     import asyncio
 
-    from nybble.runtime.core_client import CoreClient
+    from nybble.runtime.frontend.core_client import CoreClient
 
     try:
         client = CoreClient(core)
@@ -95,9 +95,9 @@ async def _serve(client: CoreClient, sock: socket.socket, engine_config: EngineC
 
     import uvicorn
 
-    from nybble.runtime.async_engine import AsyncEngine
-    from nybble.runtime.input_processor import InputProcessor
-    from nybble.runtime.tokenizer import Tokenizer
+    from nybble.runtime.frontend.async_engine import AsyncEngine
+    from nybble.runtime.frontend.input_processor import InputProcessor
+    from nybble.tokenizer.tokenizer import Tokenizer
     from nybble.server.app import attach_engine, build_app
     from nybble.server.connections import idle_timeout_protocol
     from nybble.server.metrics import ServerMetrics

@@ -19,7 +19,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from nybble.outputs import RequestOutput
-from nybble.runtime.async_engine import StepRecord
+from nybble.runtime.frontend.async_engine import StepRecord
 from nybble.runtime.messages import SpecDecodeStats
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py)

@@ -2,7 +2,8 @@
 
 Requests carry types and shapes only: every value range (temperature, ``max_tokens`` against
 the context, ``logprobs``, ``seed``, token ids...) is checked once, by the engine's request
-gate (:mod:`nybble.runtime.input_processor`; ``InvalidRequestError`` -> 400). Unknown request
+gate (:mod:`nybble.runtime.frontend.input_processor`; ``InvalidRequestError`` -> 400). Unknown
+request
 fields are ignored, as OpenAI clients send fields nybble does not use (``user``,
 ``metadata``, ...); the fields nybble does not implement (``suffix``, ``tools``, ``best_of``
 other than ``n`` or ``echo`` with ``logprobs`` when streaming, content parts other than

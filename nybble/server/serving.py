@@ -23,8 +23,8 @@ from starlette.types import Receive, Scope, Send
 
 from nybble.errors import InvalidRequestError
 from nybble.outputs import RequestOutput
-from nybble.runtime.async_engine import RequestStream
-from nybble.runtime.input_processor import ParamNames
+from nybble.runtime.frontend.async_engine import RequestStream
+from nybble.runtime.frontend.input_processor import ParamNames
 from nybble.runtime.messages import EngineCoreRequest
 from nybble.sampling_params import SamplingParams
 from nybble.server.protocol import ChatMessage, ChatOptions, _SamplingFields

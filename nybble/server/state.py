@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from fastapi import Request
 
 from nybble.errors import ModelNotFoundError
-from nybble.runtime.async_engine import EngineDeadError
+from nybble.runtime.frontend.async_engine import EngineDeadError
 
 if TYPE_CHECKING:
-    from nybble.runtime.async_engine import AsyncEngine
-    from nybble.runtime.input_processor import InputProcessor
-    from nybble.runtime.tokenizer import Tokenizer
+    from nybble.runtime.frontend.async_engine import AsyncEngine
+    from nybble.runtime.frontend.input_processor import InputProcessor
+    from nybble.tokenizer.tokenizer import Tokenizer
     from nybble.server.config import ServerConfig
     from nybble.server.metrics import ServerMetrics
 

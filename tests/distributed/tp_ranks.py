@@ -46,7 +46,7 @@ def run_rank(model: str, rank: int, world: int, init_method: str, out: str,
 def tp_prefill_logits(model: str, sequences: list[list[int]], world: int,
                       tmp: str) -> list[torch.Tensor]:
     """``prefill_logits`` of ``model`` split over ``world`` gloo ranks (subprocesses)."""
-    from nybble.runtime.tp_executor import free_port
+    from nybble.runtime.executor.tp_executor import free_port
 
     init = f"tcp://127.0.0.1:{free_port()}"
     out = os.path.join(tmp, "logits.pt")

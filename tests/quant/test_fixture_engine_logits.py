@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from nybble.config import ModelConfig
-from nybble.kernels.reference_attention import TorchAttentionBackend
+from nybble.kernels.reference.attention import TorchAttentionBackend
 from nybble.models.loader import load_model
 from nybble.models.scoring import prefill_logits
 from tests.conftest import shared_path

@@ -1,0 +1,34 @@
+"""The transformers fallback for a tokenizer folder without ``tokenizer.json``.
+
+Engine-core and offline side only: transformers' tokenizer machinery is heavy (and may import
+torch), so the API process never imports this module; the core converts the folder's slow
+tokenizer (sentencepiece ``tokenizer.model``, ...) to the ``tokenizers`` pipeline and sends the
+JSON text in its start-up handshake.
+"""
+from __future__ import annotations
+
+from nybble.config import has_tokenizer_file
+from nybble.tokenizer.tokenizer import Tokenizer
+
+
+def fast_tokenizer_json(folder: str) -> str:
+    """The folder's tokenizer as ``tokenizer.json`` text, converted by transformers.
+
+    Raises:
+        ValueError: transformers cannot build a fast tokenizer for the folder.
+    """
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(folder)
+    backend = getattr(hf, "backend_tokenizer", None)
+    if backend is None:
+        raise ValueError(f"tokenizer must be convertible to a fast (tokenizers) tokenizer, "
+                         f"got {type(hf).__name__} in {folder!r}")
+    return str(backend.to_str())
+
+
+def load_tokenizer(folder: str) -> tuple[Tokenizer, str | None]:
+    """The folder's :class:`Tokenizer`, and the converted JSON text when the folder has no
+    ``tokenizer.json`` (``None`` otherwise)."""
+    converted = None if has_tokenizer_file(folder) else fast_tokenizer_json(folder)
+    return Tokenizer.from_folder(folder, converted), converted
