@@ -10,7 +10,7 @@ from nybble.kernels.cpu.backend import CpuAttentionBackend, cpu_kernel_available
 from nybble.kernels.interface import AttentionMetadata
 from nybble.kernels.reference.attention import TorchAttentionBackend
 
-from .test_reference_attention import _naive
+from tests.kernels.reference.test_attention import _naive
 
 pytestmark = pytest.mark.skipif(not cpu_kernel_available(), reason="extension not built")
 

@@ -16,7 +16,7 @@ from nybble.config import DEFAULT_MODEL
 from nybble.outputs import RequestOutput
 from nybble.runtime.llm_engine import LLMEngine
 
-from .engine_helpers import assert_idle_and_clean, make_engine
+from tests.runtime.engine_helpers import assert_idle_and_clean, make_engine
 
 PROMPTS = ["Once upon a time", "Lily wanted to", "The little dog", "One day, a big"]
 HF_EOS = [2, 1]    # the bundled model's generation_config.json eos_token_id

@@ -14,7 +14,7 @@ from nybble.errors import InvalidRequestError
 from nybble.runtime.scheduler.scheduler import Scheduler
 from tests.conftest import shared_path
 
-from .engine_helpers import assert_idle_and_clean, make_engine, run_requests
+from tests.runtime.engine_helpers import assert_idle_and_clean, make_engine, run_requests
 
 TOL = 1e-4
 
