@@ -38,7 +38,8 @@ from nybble.runtime.worker.model_runner import ModelRunner
 from nybble.runtime.scheduler.scheduler import Scheduler
 from nybble.runtime.scheduler.sequence import FinishReason
 from nybble.runtime.sample.structured_output import GrammarCompiler
-from nybble.runtime.executor.tp_executor import Executor, start_executor
+from nybble.runtime.executor.factory import start_executor
+from nybble.runtime.executor.tp_executor import Executor
 
 logger = logging.getLogger(__name__)
 

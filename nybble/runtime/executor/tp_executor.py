@@ -177,12 +177,3 @@ class MPExecutor(Executor):
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(STOP_WAIT_S)
-
-
-def start_executor(config: EngineConfig) -> Executor:
-    """The executor ``config.parallel_config.distributed_executor_backend`` names."""
-    if config.parallel_config.distributed_executor_backend == "ray":
-        from nybble.runtime.executor.ray_executor import RayExecutor
-
-        return RayExecutor(config)
-    return MPExecutor(config)
