@@ -16,8 +16,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import Request
 
-from nybble.errors import ModelNotFoundError
-from nybble.runtime.frontend.async_engine import EngineDeadError
+from nybble.errors import EngineDeadError, ModelNotFoundError
 
 if TYPE_CHECKING:
     from nybble.runtime.frontend.async_engine import AsyncEngine

@@ -33,7 +33,14 @@ from collections.abc import Callable, Iterable
 from functools import partial
 from typing import Any
 
-from nybble.errors import InvalidRequestError, NybbleError
+from nybble.errors import (
+    EngineDeadError,
+    EngineOverloadedError,
+    EngineRequestError,
+    EngineShutdownError,
+    InvalidRequestError,
+    NybbleError,
+)
 from nybble.outputs import RequestOutput
 from nybble.runtime.frontend.core_client import CoreClient
 from nybble.runtime.messages import (
@@ -49,30 +56,6 @@ from nybble.runtime.frontend.output_processor import OutputProcessor
 from nybble.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
-
-
-class EngineDeadError(NybbleError):
-    """The engine core is gone (it exited, or can no longer step): HTTP 503."""
-
-
-class EngineShutdownError(NybbleError):
-    """The server is shutting down: HTTP 503."""
-
-
-class EngineRequestError(NybbleError):
-    """The engine core failed this request (a failed step): HTTP 500."""
-
-
-class EngineOverloadedError(NybbleError):
-    """Too many requests wait for the engine (admission control): HTTP 503, retry later.
-
-    Attributes:
-        retry_after_s: a hint for the ``Retry-After`` header (seconds).
-    """
-
-    def __init__(self, message: str, retry_after_s: int = 1) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
 
 
 @dataclasses.dataclass(slots=True)

@@ -29,7 +29,7 @@ from collections.abc import Callable
 import zmq
 import zmq.asyncio
 
-from nybble.errors import NybbleError
+from nybble.errors import EngineStartupError
 from nybble.runtime.frontend.core_spawn import CoreProcess
 from nybble.runtime.messages import (
     Codec,
@@ -44,10 +44,6 @@ from nybble.runtime.messages import (
 logger = logging.getLogger(__name__)
 
 _EXIT_POLL_S = 0.5
-
-
-class EngineStartupError(NybbleError):
-    """The engine core could not start (its one-line reason; a bad folder or flag)."""
 
 
 class CoreClient:
