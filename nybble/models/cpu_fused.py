@@ -20,16 +20,12 @@ sequence), by the same row-per-token rule; steps of more tokens keep the torch p
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 import torch
 
 from nybble.kernels.interface import AttentionMetadata
 from nybble.models.linear import DenseLinear
-
-if TYPE_CHECKING:
-    from nybble.models.llama import LlamaForCausalLM
+from nybble.models.protocols import CausalLMParts
 
 MAX_FUSED_TOKENS = 32
 """Most tokens (rows) a step of a model that is not small may have to run fused. Measured on the
@@ -73,7 +69,7 @@ class FusedCpuDecode:
         self.every_step = every_step
 
     @classmethod
-    def build(cls, model: LlamaForCausalLM, kv_caches: list[torch.Tensor]
+    def build(cls, model: CausalLMParts, kv_caches: list[torch.Tensor]
               ) -> tuple[FusedCpuDecode | None, str]:
         """The fused step for ``model`` over ``kv_caches``, or ``(None, reason)``."""
         if CpuDecoder is None:
