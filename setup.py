@@ -2,7 +2,9 @@
 and the CPU decode-attention kernel.
 
 Metadata lives in pyproject.toml; this file only declares the extension modules.
-Set ``NYBBLE_CYTHON_DEBUG=1`` to turn bounds checks back on and add line tracing.
+Set ``NYBBLE_CYTHON_DEBUG=1`` to turn bounds checks back on and add line tracing. This file
+owns the Cython directives: the ``.pyx`` / ``.pxd`` headers set only ``language_level`` (a
+file's header would beat ``compiler_directives``); tests/test_cython_build.py checks both.
 """
 import os
 

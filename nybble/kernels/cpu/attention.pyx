@@ -1,4 +1,4 @@
-# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
+# cython: language_level=3
 """Paged decode attention on the CPU, straight from the block tables (no gathered copy).
 
 One new token per sequence. For each sequence the kernel walks its ``seq_lens[b]`` cached

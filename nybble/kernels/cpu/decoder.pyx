@@ -1,4 +1,4 @@
-# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
+# cython: language_level=3
 """A Llama-family decoder's whole decode step on the CPU in one call (the C code and its
 layouts: ``decoder.h``).
 

@@ -1,4 +1,4 @@
-# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
+# cython: language_level=3
 """Weight-only INT4/INT8 GEMM on the CPU for decode-sized batches (the C code is
 ``wo_gemm.h``; its comment gives the packed layouts).
 

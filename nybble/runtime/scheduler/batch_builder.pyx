@@ -1,4 +1,4 @@
-# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+# cython: language_level=3
 """The in-flight batch: preallocated output buffers filled once per step (typed Cython, no torch).
 
 The scheduler picks the rows (``add_row``: each sequence with ``num_scheduled`` new tokens) and

@@ -1,4 +1,4 @@
-# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+# cython: language_level=3
 """Fixed pool of KV-cache blocks with O(1) allocate/free and per-block reference counts.
 
 Rules (over integers; the methods say the details):

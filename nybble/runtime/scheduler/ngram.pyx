@@ -1,4 +1,4 @@
-# cython: language_level=3, boundscheck=False, wraparound=False
+# cython: language_level=3
 """Python face of the n-gram proposer (see ngram.pxd); the scheduler calls the C function."""
 from libc.stdint cimport int32_t
 

@@ -1,4 +1,4 @@
-# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+# cython: language_level=3
 """Automatic prefix caching: full KV blocks found by a hash chained over their token ids.
 
 vLLM V1's scheme (``--enable-prefix-caching``), in C arrays (no torch, no Python objects):

@@ -1,4 +1,4 @@
-# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+# cython: language_level=3
 """Continuous-batching scheduler over a paged KV pool (typed Cython, no torch).
 
 Scheduling rule (vLLM V1, no prefill/decode phases): every sequence tracks ``num_computed``

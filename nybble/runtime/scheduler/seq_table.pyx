@@ -1,4 +1,4 @@
-# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+# cython: language_level=3
 """The sequence table: the scheduler's sequences, their queues, and every change of their state.
 
 :class:`SequenceTable` owns the per-sequence C state (a :c:type:`SeqStore`, see sequence.pxd),
