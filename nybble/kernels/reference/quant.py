@@ -138,28 +138,6 @@ def compressed_int_weight(weight_packed: torch.Tensor, weight_zero_point: torch.
     return IntWeight(u.t(), uz.t(), gi, k if group_size == -1 else group_size, bits)
 
 
-def dequantize_compressed_tensors(weight_packed: torch.Tensor, weight_scale: torch.Tensor,
-                                  weight_zero_point: torch.Tensor | None,
-                                  weight_g_idx: torch.Tensor | None, bits: int,
-                                  group_size: int) -> torch.Tensor:
-    """compressed-tensors ``pack-quantized`` dequantization (§6.2).
-
-    Args:
-        weight_packed: int32 ``[N, K*bits/32]`` packed along K, sequential fields; values
-            are signed ints stored with offset ``2^(bits-1)``.
-        weight_scale: ``[N, G]``.
-        weight_zero_point: int32 ``[N*bits/32, G]`` packed along N (asymmetric) or None.
-        weight_g_idx: int ``[K]`` (``actorder: group``) or None (``k // group_size``).
-        bits: 4 or 8. group_size: -1 or the group width.
-
-    Returns:
-        ``W [N, K]`` in ``weight_scale.dtype``: ``(u - uz) * scale``.
-    """
-    iw = compressed_int_weight(weight_packed, weight_zero_point, weight_g_idx, bits, group_size,
-                               weight_scale.shape[1])
-    return dequantize_int_weight(iw, weight_scale.t())
-
-
 def dequantize_int8_channel(weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
     """compressed-tensors ``int-quantized`` weight: int8 ``[N, K]`` x scale ``[N, 1]`` -> ``[N, K]``
     in ``weight_scale.dtype`` (§6.2)."""
