@@ -29,8 +29,9 @@ With speculative decoding on, beam search, structured output and ``prompt_logpro
 refused (docs/serving.md §1.7a); ``min_tokens`` and logit shaping are applied at every verified
 position by the model runner.
 
-The gate holds no mutable state: it may run on any thread (the server calls it on its event
-loop, before the engine thread sees the request) and, later, in the API server process.
+The gate holds no mutable state: it may run on any thread. It runs in the API process (the
+server calls it on its event loop or a worker thread, before the request goes to the
+engine-core process) and, offline, on the caller's thread in :class:`LLMEngine`.
 """
 from __future__ import annotations
 
