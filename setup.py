@@ -48,6 +48,14 @@ extensions.append(Extension(
     "nybble.kernels.cpu_wo_gemm", ["nybble/kernels/cpu_wo_gemm.pyx"], define_macros=macros,
     include_dirs=["nybble/kernels"], depends=["nybble/kernels/cpu_wo_gemm.h", "nybble/kernels/cpu_features.h"],
     extra_compile_args=["-O3"]))
+# The CPU quantized GEMM with bf16 dot products (nybble/kernels/cpu_qgemm.pyx + .h): the
+# AVX-512 BF16 path is compiled for that target alone (function attributes) and chosen at run
+# time; no -ffast-math (the bf16 rounding and the sums' order are part of its contract).
+extensions.append(Extension(
+    "nybble.kernels.cpu_qgemm", ["nybble/kernels/cpu_qgemm.pyx"], define_macros=macros,
+    include_dirs=["nybble/kernels", np.get_include()],
+    depends=["nybble/kernels/cpu_qgemm.h", "nybble/kernels/cpu_qgemm_struct.pxi"],
+    extra_compile_args=["-O3"]))
 # The fused CPU decode step (nybble/kernels/cpu_decoder.pyx + .h); the same float flags as the
 # attention kernel, so the dot products' sums vectorise.
 extensions.append(Extension(
