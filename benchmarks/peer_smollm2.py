@@ -29,11 +29,11 @@ helps. llama-server gets ``-np`` = the most streams of any workload and ``--max-
 tokens per slot (``-c`` = slots x that), nybble ``--max-model-len`` and ``--kv-cache-memory``,
 so every stream of every workload runs at once on both.
 
-The run also measures one core's read bandwidth (``_bandwidth.py``: a 512 MiB float32 GEMV on
-one torch thread, before and after the servers; the best call counts) and reports batch-1
-decode (the ``1xM`` workload) as a percentage of the weight-bandwidth limit: bandwidth / bytes
-of weights read per token, counted from the files as stored (``_weight_bytes.py``: linear
-weights, scales and zero points, norms, the head as stored).
+The run also measures the read bandwidth of each thread count (``_bandwidth.py``: a 512 MiB
+float32 GEMV on that many torch threads, before and after the servers; the best call counts)
+and reports batch-1 decode (the ``1xM`` workload) as a percentage of the weight-bandwidth limit:
+that bandwidth / bytes of weights read per token, counted from the files as stored
+(``_weight_bytes.py``: linear weights, scales and zero points, norms, the head as stored).
 
 Usage::
 
@@ -205,9 +205,10 @@ def main() -> None:  # noqa: C901 - one linear script
                for m in models}
     slots = max(w.streams for w in workloads)
     started = time.time()
-    bandwidth = [read_bandwidth(args.bandwidth_mib << 20)]
-    print(f"read bandwidth, one core: {bandwidth[0]['gemv_best_gb_s']:.1f} GB/s (GEMV best)",
-          flush=True)
+    bandwidth = {t: [read_bandwidth(args.bandwidth_mib << 20, threads=t)] for t in threads}
+    for t in threads:
+        print(f"read bandwidth, {t} thread(s): {bandwidth[t][0]['gemv_best_gb_s']:.1f} GB/s "
+              f"(GEMV best)", flush=True)
     common_args = ("--max-model-len", str(args.max_model_len), "--kv-cache-memory",
                    args.kv_cache_memory, *args.serve_args.split())
     runs: dict[str, Any] = {}
@@ -237,8 +238,9 @@ def main() -> None:  # noqa: C901 - one linear script
                                 .setdefault(w.name, {}).setdefault(name, []).append(res)
                             print(f"  threads {t} {m:4s} {w.name:>12s} round {r} {name:12s} "
                                   f"{res['figure']:8.1f} tok/s (load {load:.2f})", flush=True)
-    bandwidth.append(read_bandwidth(args.bandwidth_mib << 20))
-    bw = max(b["gemv_best_gb_s"] for b in bandwidth) * 1e9
+    for t in threads:
+        bandwidth[t].append(read_bandwidth(args.bandwidth_mib << 20, threads=t))
+    bw = {t: max(b["gemv_best_gb_s"] for b in bandwidth[t]) * 1e9 for t in threads}
 
     rows, bw_rows, bad_runs = [], [], 0
     for t in threads:
@@ -259,10 +261,11 @@ def main() -> None:  # noqa: C901 - one linear script
         batch1 = next((w for w in workloads if w.streams == 1 and not w.prefill), None)
         for m in models if batch1 else []:
             by = runs[str(t)][m][batch1.name]
-            brow: dict[str, Any] = {"threads": t, "model": m, "workload": batch1.name}
+            brow: dict[str, Any] = {"threads": t, "GB/s": bw[t] / 1e9, "model": m,
+                                    "workload": batch1.name}
             for name, short in (("nybble", "nybble"), ("llama-server", "llama")):
                 per_tok = weights[m][name]["per_token_bytes"]
-                limit = bw / per_tok
+                limit = bw[t] / per_tok
                 tok_s = _median(by[name], batch1)
                 brow[f"{short} MB/tok"] = per_tok / 1e6
                 brow[f"{short} limit tok/s"] = limit
@@ -273,15 +276,16 @@ def main() -> None:  # noqa: C901 - one linear script
     print_table(rows, f"nybble serve vs llama-server, SmolLM2-135M-Instruct, median of "
                       f"{args.rounds} alternating rounds, load {lo:.2f}-{hi:.2f}")
     if bw_rows:
-        print_table(bw_rows, f"batch-1 decode vs the weight-bandwidth limit "
-                             f"({bw / 1e9:.1f} GB/s, one core, GEMV best)")
+        print_table(bw_rows, "batch-1 decode vs the weight-bandwidth limit (read bandwidth "
+                             "of that many threads, GEMV best)")
     write_json(args.output, {
         "rounds": args.rounds, "threads": threads, "models": models,
         "workloads": [w.__dict__ for w in workloads], "load_avg_1m_range": [lo, hi],
         "nybble_serve_args": ["--threads", "N", *common_args],
         "llama_server_args": {"np": slots, "c": slots * args.max_model_len, "t": "N",
                               "tb": "N"},
-        "bandwidth": bandwidth, "bandwidth_gb_s": bw / 1e9, "weight_bytes": weights,
+        "bandwidth": {str(t): v for t, v in bandwidth.items()},
+        "bandwidth_gb_s": {str(t): v / 1e9 for t, v in bw.items()}, "weight_bytes": weights,
         "versions": _versions(args.llama_server), "wall_s": time.time() - started,
         "failed_or_short_runs": bad_runs, "rows": rows, "bandwidth_rows": bw_rows,
         "runs": runs})
