@@ -208,7 +208,9 @@ class CacheConfig:
         block_size: tokens per KV block (8, 16 or 32; default 16).
         num_gpu_blocks: number of KV blocks; overrides ``kv_cache_memory``.
         kv_cache_memory: KV cache budget in bytes, turned into blocks at start-up.
-            Default when neither is set: 256 MiB (CPU) or 90% of free GPU memory.
+            Default when neither is set: 256 MiB (CPU), grown to one ``max_model_len``
+            sequence within a quarter of RAM, or 90% of free GPU memory. A pool smaller than
+            the model's context lowers ``max_model_len``; a user-set one must fit.
         enable_prefix_caching: reuse the KV of full blocks whose token prefix was computed
             before (automatic prefix caching, vLLM's ``--enable-prefix-caching``); on by
             default, as in vLLM V1 (its cost on a workload with no shared prefix is in

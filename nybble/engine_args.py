@@ -71,7 +71,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
                         help="number of KV-cache blocks (overrides --kv-cache-memory)")
     parser.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
                         help="KV-cache budget in bytes, e.g. 256MiB (default: 256MiB on CPU, "
-                             "90%% of free memory on GPU)")
+                             "grown to one max-model-len sequence within a quarter of RAM; "
+                             "90%% of free memory on GPU; a model context that does not fit "
+                             "lowers max-model-len)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                         help="KV-cache storage: auto (the model's dtype), int8 or fp8_e4m3 "
                              "(one byte per element, per-head scales: about 2x the tokens)")
