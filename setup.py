@@ -54,6 +54,14 @@ extensions.append(Extension(
     "nybble.kernels.cpu.wo_gemm", [f"{CPU}/wo_gemm.pyx"], define_macros=macros,
     include_dirs=[CPU], depends=[f"{CPU}/wo_gemm.h", f"{CPU}/cpu_features.h"],
     extra_compile_args=["-O3"]))
+# The CPU quantized GEMM with bf16 dot products (nybble/kernels/cpu/qgemm.pyx + .h): the
+# AVX-512 BF16 path is compiled for that target alone (function attributes) and chosen at run
+# time; no -ffast-math (the bf16 rounding and the sums' order are part of its contract).
+extensions.append(Extension(
+    "nybble.kernels.cpu.qgemm", ["nybble/kernels/cpu/qgemm.pyx"], define_macros=macros,
+    include_dirs=["nybble/kernels/cpu", np.get_include()],
+    depends=["nybble/kernels/cpu/qgemm.h", "nybble/kernels/cpu/qgemm_struct.pxi"],
+    extra_compile_args=["-O3"]))
 # The fused CPU decode step (nybble/kernels/cpu/decoder.pyx + .h); the same float flags as the
 # attention kernel, so the dot products' sums vectorise.
 extensions.append(Extension(

@@ -82,10 +82,12 @@ def set_thread_env(threads: int) -> None:
     os.environ.setdefault(WAIT_POLICY_ENV, "PASSIVE")
 
 
-def add_threads_arg(parser: argparse.ArgumentParser) -> None:
-    """Add ``--threads`` to a subcommand that runs the model."""
+def add_threads_arg(parser: argparse.ArgumentParser, default_help: str | None = None) -> None:
+    """Add ``--threads`` to a subcommand that runs the model; ``default_help`` replaces the
+    description of the default when the subcommand picks its own (``nybble quantize``)."""
     parser.add_argument(
         "--threads", type=int, default=None,
-        help="torch intra-op threads of the process that runs the model (default: "
-             "$OMP_NUM_THREADS if set, else the physical cores minus one when there are more "
-             "than two, else 1; idle threads sleep: OMP_WAIT_POLICY=PASSIVE)")
+        help="torch intra-op threads of the process that runs the model (default: " + (
+            default_help or "$OMP_NUM_THREADS if set, else the physical cores minus one when "
+                            "there are more than two, else 1") +
+        "; idle threads sleep: OMP_WAIT_POLICY=PASSIVE)")

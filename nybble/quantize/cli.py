@@ -123,7 +123,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     q.add_argument("--eval-text", help="held-out text (blank-line separated paragraphs): "
                                        "perplexity before and after goes into the report")
     q.add_argument("--out", required=True, help="output model folder")
-    add_threads_arg(q)
+    add_threads_arg(q, "1, so the same inputs give byte-identical files")
     q.set_defaults(func=_quantize)
 
     e = subparsers.add_parser(

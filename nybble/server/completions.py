@@ -77,7 +77,8 @@ async def create_completion(req: CompletionRequest,
     state.check_model(req.model)
     # NOTE: echo with logprobs returns the prompt's logprobs too (OpenAI, vLLM)
     params = beam_params(req, sampling_params(req, req.max_tokens, req.logprobs,
-                                              req.logprobs if req.echo else None))
+                                              req.logprobs if req.echo else None,
+                                              state.sampling_defaults))
     renderer = CompletionRenderer(state, req, new_id("cmpl"))
     include_usage = req.stream_options is not None and req.stream_options.include_usage
     return await serve(request, state, renderer, params, DEFAULT_NAMES, t0, req.stream,

@@ -100,6 +100,7 @@ async def _serve(client: CoreClient, sock: socket.socket, engine_config: EngineC
     from nybble.tokenizer.tokenizer import Tokenizer
     from nybble.server.app import attach_engine, build_app
     from nybble.server.connections import idle_timeout_protocol
+    from nybble.server.generation_defaults import generation_defaults
     from nybble.server.metrics import ServerMetrics
     from nybble.server.state import ServerState
 
@@ -134,6 +135,8 @@ async def _serve(client: CoreClient, sock: socket.socket, engine_config: EngineC
         raise
     if tokenizer is None:  # NOTE: converted by transformers in the core
         tokenizer = Tokenizer.from_folder(folder, ready.tokenizer_json)
+    if server_config.chat_template is not None:   # NOTE: --chat-template
+        tokenizer.chat_template = server_config.chat_template
     logger.info("engine ready in %.2f s (engine core pid %d, %d torch threads)",
                 time.monotonic() - t0, ready.pid, ready.threads)
     engine = AsyncEngine(client, tokenizer, observer=metrics.observe,
@@ -146,7 +149,8 @@ async def _serve(client: CoreClient, sock: socket.socket, engine_config: EngineC
         model_path=os.path.basename(os.path.normpath(mc.model)), tokenizer=tokenizer,
         max_model_len=ready.limits.max_model_len, metrics=metrics,
         executor=ThreadPoolExecutor(server_config.api_threads, thread_name_prefix="nybble-api"),
-        max_token_chars=tokenizer.max_token_chars))
+        max_token_chars=tokenizer.max_token_chars,
+        sampling_defaults=generation_defaults(server_config.generation_config, mc.model)))
     await serving
 
 

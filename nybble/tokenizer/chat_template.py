@@ -77,7 +77,8 @@ def render_chat_template(source: str, messages: list[dict[str, Any]],
                          add_generation_prompt: bool,
                          special_tokens: dict[str, str | None],
                          continue_final_message: bool = False,
-                         template_kwargs: dict[str, Any] | None = None) -> str:
+                         template_kwargs: dict[str, Any] | None = None,
+                         tools: list[dict[str, Any]] | None = None) -> str:
     """The conversation as the prompt text the model was trained on.
 
     Args:
@@ -91,6 +92,8 @@ def render_chat_template(source: str, messages: list[dict[str, Any]],
             that end; trailing spaces the template trimmed stay trimmed).
         template_kwargs: extra variables for the template (``chat_template_kwargs``); they
             override the special tokens of the same name.
+        tools: function specs (``[{"type": "function", "function": {...}}]``), the
+            template's ``tools`` variable (``None`` without tools, as transformers passes).
 
     Raises:
         InvalidRequestError: the template refused the conversation (``raise_exception``,
@@ -107,7 +110,7 @@ def render_chat_template(source: str, messages: list[dict[str, Any]],
     try:
         template = compile_template(source)
         text = template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                               **{**special_tokens, **(template_kwargs or {})})
+                               **{**special_tokens, "tools": tools, **(template_kwargs or {})})
     except jinja2.TemplateError as e:
         raise InvalidRequestError(f"messages were refused by the chat template: {e}",
                                   param="messages") from None

@@ -215,7 +215,8 @@ class Tokenizer:
                             add_generation_prompt: bool = True,
                             continue_final_message: bool = False,
                             chat_template: str | None = None,
-                            template_kwargs: dict[str, Any] | None = None) -> str:
+                            template_kwargs: dict[str, Any] | None = None,
+                            tools: list[dict[str, Any]] | None = None) -> str:
         """The conversation rendered with the model's chat template, or ``chat_template``
         when given (text; the template emits BOS itself, so tokenize it with
         ``add_special_tokens=False``). The options are transformers' (see
@@ -231,7 +232,7 @@ class Tokenizer:
                                       param="messages")
         return render_chat_template(source, messages, add_generation_prompt,
                                     self.special_tokens, continue_final_message,
-                                    template_kwargs)
+                                    template_kwargs, tools)
 
 
 class TextStream:

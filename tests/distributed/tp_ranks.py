@@ -28,8 +28,8 @@ def run_rank(model: str, rank: int, world: int, init_method: str, out: str,
 
     torch.set_num_threads(1)
     tp = init_tp_group(rank, world, init_method, torch.device("cpu"), timeout_s=60)
-    loaded = load_model(ModelConfig(model=model), get_attention_backend("torch",
-                                                                        tp.device), tp.device, tp)
+    loaded = load_model(ModelConfig(model=model, cpu_activation_dtype="float32"),
+                        get_attention_backend("torch", tp.device), tp.device, tp)
     if rank != 0:   # a worker's share of compute_logits: rank 0's LOGITS command
         def worker_logits(hidden: torch.Tensor) -> torch.Tensor:
             cmd = channel.receive(tp, lambda: True)

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from nybble.kernels.cpu import wo_gemm as cpu_wo_gemm
+from nybble.kernels.cpu.qgemm_pack import group_order
 from nybble.kernels.reference.quant import IntWeight
 
 MAX_ROWS = cpu_wo_gemm.MAX_ROWS
@@ -64,18 +65,6 @@ class CpuWeight:
     perm: np.ndarray | None
 
 
-def _group_order(iw: IntWeight) -> tuple[torch.Tensor | None, str | None]:
-    """Permutation making every group contiguous, or a reason why none exists."""
-    if iw.g_idx is None:
-        return None, None
-    k = iw.q.shape[0]
-    perm = torch.argsort(iw.g_idx, stable=True)
-    expect = torch.arange(k, device=iw.g_idx.device) // iw.group_size
-    if not torch.equal(iw.g_idx[perm], expect):
-        return None, f"g_idx groups are not all {iw.group_size} rows wide"
-    return (None if torch.equal(perm, torch.arange(k, device=perm.device)) else perm), None
-
-
 def _pad_columns(t: torch.Tensor, np_: int) -> torch.Tensor:
     """``[R, N] -> [R, Np]`` with zero columns appended."""
     return torch.nn.functional.pad(t, (0, np_ - t.shape[1]))
@@ -98,7 +87,7 @@ def prepare(iw: IntWeight, scales: torch.Tensor) -> tuple[CpuWeight | None, str]
     g = -(-k // gs)
     if scales.shape[0] != g or iw.zero.shape[0] != g:
         return None, f"group_size {gs} must split K={k} into {scales.shape[0]} groups"
-    perm, why = _group_order(iw)
+    perm, why = group_order(iw)
     if why is not None:
         return None, why
     np_ = -(-n // _COLS) * _COLS

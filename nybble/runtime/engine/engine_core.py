@@ -26,6 +26,7 @@ from nybble.runtime.scheduler.batch import ScheduledBatch
 from nybble.runtime.engine.beam_core import BeamCoordinator, add_results
 from nybble.runtime.worker.draft_proposer import DraftProposer
 from nybble.runtime.worker.kv_cache import is_quantized_kv, plan_kv_cache
+from nybble.runtime.worker.kv_plan import fit_max_model_len
 from nybble.runtime.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -101,7 +102,8 @@ class EngineCore:
             raise ValueError(f"max_logprobs must be <= {vocab} (the model's vocabulary), got "
                              f"{mc.max_logprobs}")
         self.kv_spec = plan_kv_cache(config.cache_config, self.loaded.shard_shape,
-                                     self.loaded.dtype, self.device)
+                                     self.loaded.dtype, self.device, self.loaded.max_model_len)
+        self._fit_max_model_len(mc.max_model_len is not None)
         if is_quantized_kv(self.kv_spec.dtype):
             from nybble.runtime.worker.kv_calibration import calibrate_kv_scales
 
@@ -140,6 +142,19 @@ class EngineCore:
         self._pending: ScheduledBatch | None = None  # scheduled, not yet taken by update()
         self.beams = BeamCoordinator(self.scheduler, self.runner, self._take_seq_ids)
         self._log_start_up()
+
+    def _fit_max_model_len(self, user_set: bool) -> None:
+        """Lower the model's own ``max_model_len`` to the KV pool's tokens when a whole sequence
+        does not fit (one start-up line says so); a user-set one that does not fit raises
+        (:func:`~nybble.runtime.worker.kv_plan.fit_max_model_len`)."""
+        spec, wanted = self.kv_spec, self.loaded.max_model_len
+        fitted = fit_max_model_len(spec.num_blocks * spec.block_size, wanted, user_set)
+        if fitted < wanted:
+            logger.warning("max_model_len lowered from %d (the model's context) to %d: the KV "
+                           "cache holds %d tokens (%d blocks x %d); raise --kv-cache-memory / "
+                           "--num-gpu-blocks for the full context", wanted, fitted, fitted,
+                           spec.num_blocks, spec.block_size)
+            self.loaded = dataclasses.replace(self.loaded, max_model_len=fitted)
 
     def _load_draft(self, backend) -> LoadedModel:
         """Load the draft model of speculative decoding, checked against the target.
@@ -190,13 +205,6 @@ class EngineCore:
                         self.config.cache_config.kv_cache_dtype, pool_tokens,
                         pool_tokens / max(plain, 1), plain,
                         str(loaded.dtype).replace("torch.", ""))
-        if pool_tokens < self.max_model_len:
-            logger.warning("the KV cache holds %d tokens (%d blocks x %d), fewer than "
-                           "max_model_len %d: a request whose prompt + max_tokens exceeds %d "
-                           "tokens cannot be served (it is refused with a 400); raise "
-                           "--num-gpu-blocks / --kv-cache-memory or lower --max-model-len",
-                           pool_tokens, spec.num_blocks, spec.block_size, self.max_model_len,
-                           pool_tokens)
 
     def request_limits(self) -> RequestLimits:
         """What the request gate checks requests against."""

@@ -9,6 +9,7 @@ samples. Started by :mod:`nybble.runtime.executor.tp_executor` (a spawned proces
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 from collections.abc import Callable
@@ -22,6 +23,7 @@ from nybble.kernels import get_attention_backend
 from nybble.models.loader import LoadedModel, load_model
 from nybble.oslimits import die_with_parent
 from nybble.runtime.worker.kv_cache import KVCacheSpec, kv_storage_dtype
+from nybble.runtime.worker.kv_plan import fit_max_model_len
 from nybble.runtime.worker.model_runner import ModelRunner
 from nybble.runtime.executor.step_payload import unpack_step
 
@@ -73,6 +75,10 @@ class TPWorker:
         spec = KVCacheSpec(shape.num_layers, shape.num_kv_heads, shape.head_dim,
                            kv_storage_dtype(cc.kv_cache_dtype, self.loaded.dtype),
                            cc.block_size, num_blocks)
+        # NOTE: rank 0's rule on the same numbers, so the block tables have one width
+        fitted = fit_max_model_len(num_blocks * cc.block_size, self.loaded.max_model_len,
+                                   self.config.model_config.max_model_len is not None)
+        self.loaded = dataclasses.replace(self.loaded, max_model_len=fitted)
         self.runner = ModelRunner(self.loaded, spec, self.tp.device, self.config)
 
     @torch.inference_mode()

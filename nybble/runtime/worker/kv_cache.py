@@ -19,10 +19,10 @@ from nybble.runtime.worker.kv_plan import (
     KVLayout,
     blocks_in_budget,
     check_kv_cache_dtype,
+    default_cpu_kv_budget,
     kv_budget_from_free,
 )
 
-DEFAULT_CPU_KV_BYTES = 256 << 20  # 256 MiB
 
 _KV_STORAGE = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
 
@@ -80,10 +80,12 @@ class KVCacheSpec:
 
 
 def plan_kv_cache(cache: CacheConfig, shape: ModelShape, dtype: torch.dtype,
-                  device: torch.device) -> KVCacheSpec:
+                  device: torch.device, max_model_len: int | None = None) -> KVCacheSpec:
     """Turn ``--num-gpu-blocks`` or a byte budget into a :class:`KVCacheSpec`.
 
-    Without either flag the budget is 256 MiB on CPU, or
+    Without either flag the budget on CPU is
+    :func:`~nybble.runtime.worker.kv_plan.default_cpu_kv_budget` (256 MiB, grown to hold one sequence
+    of ``max_model_len`` tokens within a quarter of the machine's memory), or
     :func:`~nybble.runtime.worker.kv_plan.kv_budget_from_free` of the free device memory (after the
     weights are loaded) on CUDA; blocks come from
     :func:`~nybble.runtime.worker.kv_plan.blocks_in_budget` (the functions ``nybble plan`` uses).
@@ -106,7 +108,8 @@ def plan_kv_cache(cache: CacheConfig, shape: ModelShape, dtype: torch.dtype,
             if device.type == "cuda":
                 budget = kv_budget_from_free(torch.cuda.mem_get_info(device)[0])
             else:
-                budget = DEFAULT_CPU_KV_BYTES
+                budget = default_cpu_kv_budget(spec.layout, max_model_len or 1,
+                                               _memory_limit(device)[0])
         num_blocks = blocks_in_budget(budget, spec.layout)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory must hold at least one block "

@@ -104,3 +104,43 @@ def blocks_in_budget(budget_bytes: int, layout: KVLayout) -> int:
 def blocks_per_sequence(num_tokens: int, block_size: int) -> int:
     """Blocks a sequence of ``num_tokens`` tokens occupies (the last one partly)."""
     return -(-num_tokens // block_size)
+
+
+DEFAULT_CPU_KV_BYTES = 256 << 20
+"""The CPU KV budget's floor when neither ``--kv-cache-memory`` nor ``--num-gpu-blocks`` is set
+(bytes)."""
+
+CPU_KV_MEMORY_FRACTION = 0.25
+"""The most of the machine's physical memory the default CPU KV budget grows to, so that one
+sequence of ``max_model_len`` tokens fits (the pool's pages are mapped lazily)."""
+
+
+def default_cpu_kv_budget(layout: KVLayout, max_model_len: int, physical_bytes: int) -> int:
+    """The CPU KV budget (bytes) without a user-set size: at least
+    :data:`DEFAULT_CPU_KV_BYTES`, grown to hold one whole sequence of ``max_model_len`` tokens
+    but never past :data:`CPU_KV_MEMORY_FRACTION` of ``physical_bytes`` (then
+    :func:`fit_max_model_len` lowers the length to what fits)."""
+    one_sequence = blocks_per_sequence(max_model_len, layout.block_size) * layout.bytes_per_block
+    cap = int(physical_bytes * CPU_KV_MEMORY_FRACTION)
+    return max(DEFAULT_CPU_KV_BYTES, min(one_sequence, cap))
+
+
+def fit_max_model_len(pool_tokens: int, max_model_len: int, user_set: bool) -> int:
+    """The ``max_model_len`` the engine serves with a KV pool of ``pool_tokens`` slots.
+
+    A length the user did not set (the model's own limit) is lowered to the pool's tokens, so
+    a request without ``max_tokens`` (the rest of the context) is never refused for a limit the
+    user did not choose (llama.cpp's ``--fit``); a length the user set must fit (vLLM's rule).
+
+    Raises:
+        ValueError: ``user_set`` and one sequence of ``max_model_len`` tokens needs more than
+            the pool's ``pool_tokens`` slots (the message names both and the flags to change).
+    """
+    if pool_tokens >= max_model_len:
+        return max_model_len
+    if user_set:
+        raise ValueError(f"max_model_len must fit in the KV cache: {max_model_len} tokens were "
+                         f"asked for, but the pool holds {pool_tokens} tokens; lower "
+                         f"--max-model-len to at most {pool_tokens} or raise "
+                         f"--kv-cache-memory / --num-gpu-blocks")
+    return pool_tokens
