@@ -4,7 +4,7 @@
 :class:`SchedulerConfig`, :class:`CompilationConfig` and :class:`ParallelConfig`. Every field is validated at construction with a message that
 names the value received and the allowed range. Nothing mutates a config after it is built;
 values derived at start-up live elsewhere: the number of KV blocks in
-``nybble.runtime.kv_cache.KVCacheSpec``, the EOS ids and the model's dimensions
+``nybble.runtime.worker.kv_cache.KVCacheSpec``, the EOS ids and the model's dimensions
 (``nybble.models.shape.ModelShape``) in ``nybble.models.loader.LoadedModel``.
 """
 from __future__ import annotations
@@ -38,7 +38,7 @@ TOKENIZER_FILE = "tokenizer.json"
 
 def has_tokenizer_file(folder: str) -> bool:
     """Whether ``folder`` holds a ``tokenizer.json`` (else the tokenizer needs transformers'
-    conversion, see ``nybble.runtime.hf_tokenizer``)."""
+    conversion, see ``nybble.tokenizer.hf_tokenizer``)."""
     return os.path.isfile(os.path.join(folder, TOKENIZER_FILE))
 
 
@@ -171,6 +171,11 @@ class ModelConfig:
         device: ``cpu``, ``cuda`` or ``auto`` (cuda when available).
         seed: seed of the global sampling generator (requests without their own seed).
         served_model_name: name reported by the API; default: the folder name.
+        cpu_activation_dtype: what the CPU's quantized matmuls round activations to:
+            ``bfloat16`` (the fast path: AVX-512 BF16 dot products over the packed weight,
+            any number of rows), ``float32`` (the exact path: float32 activations, the
+            dequantized weight's exact products), or ``auto`` (bfloat16 where the CPU has
+            AVX-512 BF16, else float32). Dense weights and GPUs are unaffected.
         max_logprobs: largest ``logprobs`` / ``top_logprobs`` a request may ask for
             (vLLM's ``--max-logprobs``); the request gate also caps it at the vocabulary size.
     """
@@ -184,6 +189,7 @@ class ModelConfig:
     seed: int = 0
     served_model_name: str | None = None
     max_logprobs: int = 20
+    cpu_activation_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         _check(self.dtype in _DTYPES, "dtype", f"one of {_DTYPES}", self.dtype)
@@ -192,6 +198,8 @@ class ModelConfig:
         _check(self.max_model_len is None or self.max_model_len >= 1,
                "max_model_len", ">= 1", self.max_model_len)
         _check(self.max_logprobs >= 0, "max_logprobs", ">= 0", self.max_logprobs)
+        _check(self.cpu_activation_dtype in ("auto", "bfloat16", "float32"),
+               "cpu_activation_dtype", "auto, bfloat16 or float32", self.cpu_activation_dtype)
 
     def check_folders(self) -> None:
         """Check, cheaply, that the model (and tokenizer) folders exist.
@@ -225,7 +233,9 @@ class CacheConfig:
         block_size: tokens per KV block (8, 16 or 32; default 16).
         num_gpu_blocks: number of KV blocks; overrides ``kv_cache_memory``.
         kv_cache_memory: KV cache budget in bytes, turned into blocks at start-up.
-            Default when neither is set: 256 MiB (CPU) or 90% of free GPU memory.
+            Default when neither is set: 256 MiB (CPU), grown to one ``max_model_len``
+            sequence within a quarter of RAM, or 90% of free GPU memory. A pool smaller than
+            the model's context lowers ``max_model_len``; a user-set one must fit.
         enable_prefix_caching: reuse the KV of full blocks whose token prefix was computed
             before (automatic prefix caching, vLLM's ``--enable-prefix-caching``); on by
             default, as in vLLM V1 (its cost on a workload with no shared prefix is in

@@ -6,7 +6,7 @@ and ``tokenizer_config.json``; for a GGUF file these are written once, from its 
 modification time (``$NYBBLE_CACHE_DIR``, default ``~/.cache/nybble``, then ``gguf/``). The
 weights stay in the GGUF file. ``gguf_source.json`` there names the file, so the engine core
 can build ``tokenizer.json`` from the same metadata (with transformers' GGUF tokenizer
-support, :mod:`nybble.runtime.hf_tokenizer`) and store it beside them.
+support, :mod:`nybble.tokenizer.hf_tokenizer`) and store it beside them.
 """
 from __future__ import annotations
 

@@ -1,14 +1,14 @@
 """Quantized GEMM dispatch (signatures: docs/interfaces.md "Kernels").
 
-On CUDA these call the fused Triton kernels in ``nybble.kernels.triton_quant_gemm`` (imported
+On CUDA these call the fused Triton kernels in ``nybble.kernels.triton.quant_gemm`` (imported
 lazily, so CPU-only installs never import Triton); elsewhere they dequantize with the
-references in :mod:`nybble.kernels.reference_quant` and run one matmul in ``x.dtype``.
+references in :mod:`nybble.kernels.reference.quant` and run one matmul in ``x.dtype``.
 """
 from __future__ import annotations
 
 import torch
 
-from nybble.kernels.reference_quant import dequantize_awq, dequantize_gptq, int8_w8a8_linear
+from nybble.kernels.reference.quant import dequantize_awq, dequantize_gptq, int8_w8a8_linear
 
 
 def _use_triton(x: torch.Tensor) -> bool:
@@ -38,7 +38,7 @@ def gptq_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
         ``[M, N]`` in ``x.dtype``.
     """
     if _use_triton(x):
-        from nybble.kernels import triton_quant_gemm
+        from nybble.kernels.triton import quant_gemm as triton_quant_gemm
 
         return triton_quant_gemm.gptq_gemm(x, qweight, qzeros, scales, g_idx, bits, group_size,
                                            zero_offset, sym, bias, mins=mins)
@@ -60,7 +60,7 @@ def awq_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
         ``[M, N]`` in ``x.dtype``.
     """
     if _use_triton(x):
-        from nybble.kernels import triton_quant_gemm
+        from nybble.kernels.triton import quant_gemm as triton_quant_gemm
 
         return triton_quant_gemm.awq_gemm(x, qweight, qzeros, scales, group_size, bias)
     return _matmul(x, dequantize_awq(qweight, qzeros, scales, group_size), bias)

@@ -62,7 +62,7 @@ class LlamaAttention(nn.Module):
         self.rope = rope
         self.backend = backend
         # [2, Hkv] float32 per-head K/V scales of a quantized KV cache (set by
-        # nybble.runtime.kv_calibration before the pool is used); None for a float cache.
+        # nybble.runtime.worker.kv_calibration before the pool is used); None for a float cache.
         self.kv_scale: torch.Tensor | None = None
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

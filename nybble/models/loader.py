@@ -21,6 +21,7 @@ from safetensors import safe_open
 from nybble.config import ModelConfig, check_model_dir, config_folder, is_gguf, model_weight_files
 from nybble.distributed.comm import TPGroup, single_rank
 from nybble.errors import UnsupportedModelError
+from nybble.kernels.cpu.qgemm import have_bf16
 from nybble.kernels.interface import AttentionBackend
 from nybble.models.hf_config import HFConfig, load_hf_config
 from nybble.models.linear import dense_linear_factory
@@ -109,6 +110,14 @@ def _module_bytes(module: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def cpu_activations(choice: str) -> str:
+    """``ModelConfig.cpu_activation_dtype`` resolved: ``auto`` is ``bfloat16`` where the CPU
+    has AVX-512 BF16 (the fast kernel's instruction), else ``float32``."""
+    if choice == "auto":
+        return "bfloat16" if have_bf16() else "float32"
+    return choice
+
+
 def load_model(cfg: ModelConfig, backend: AttentionBackend, device: torch.device,
                tp: TPGroup | None = None) -> LoadedModel:
     """Build the model for ``cfg.model`` and load its weights (under tensor parallelism
@@ -130,12 +139,15 @@ def load_model(cfg: ModelConfig, backend: AttentionBackend, device: torch.device
         from nybble.models.gguf_model import open_gguf
 
         gguf = open_gguf(cfg, tp)
+        gguf.path_log.activations = cpu_activations(cfg.cpu_activation_dtype)
         quant = None
     else:
         if cfg.quantization == "gguf":
             raise UnsupportedModelError(f"quantization 'gguf' needs a .gguf model file, got "
                                         f"{cfg.model!r}")
         quant = load_quant_config(cfg.model, raw_config, cfg.quantization)
+        if quant is not None:
+            quant.path_log.activations = cpu_activations(cfg.cpu_activation_dtype)
     dtype = resolve_dtype(cfg.dtype, hf_config, device)
     limit = int(getattr(hf_config, "max_position_embeddings", 2048))
     window = getattr(hf_config, "sliding_window", None)

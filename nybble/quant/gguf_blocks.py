@@ -3,7 +3,7 @@
 Block layouts: ggml's ``ggml-common.h`` (``block_q4_0`` ... ``block_q6_K``) and the
 ``dequantize_row_*`` functions of ``ggml-quants.c``. Every block runs along the input
 features; one row of a GGUF weight (an output feature) is a whole number of blocks. Each
-type maps exactly onto nybble's integer form (:class:`~nybble.kernels.reference_quant.IntWeight`)
+type maps exactly onto nybble's integer form (:class:`~nybble.kernels.reference.quant.IntWeight`)
 with float32 group scales:
 
 ========  ==================================  ====  =====  =====================
@@ -21,7 +21,7 @@ Q8_0      ``d * q`` (``q`` int8)              8     32     ``q + 128``, zero 128
 
 ``d``, ``dmin`` (float16) times the 6/8-bit sub-scales is exact in float32, so the scales and
 minimums hold gguf-py's float32 intermediates exactly and
-:func:`~nybble.kernels.reference_quant.dequantize_int_weight` reproduces
+:func:`~nybble.kernels.reference.quant.dequantize_int_weight` reproduces
 ``gguf.quants.dequantize`` bit for bit (tested per type).
 """
 from __future__ import annotations

@@ -20,7 +20,7 @@ from torch import nn
 
 from nybble.kernels import quant_ops
 from nybble.kernels.packing import pack_cols, pack_factor, pack_rows, unpack_rows
-from nybble.kernels.reference_quant import IntWeight, dequantize_int_weight, gptq_int_weight
+from nybble.kernels.reference.quant import IntWeight, dequantize_int_weight, gptq_int_weight
 from nybble.quant.gguf_blocks import GGUFInts
 from nybble.quant.linear import CpuPathLog, GPTQLinear
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from nybble.kernels.reference_quant import IntWeight, dequantize_int_weight
+from nybble.kernels.reference.quant import IntWeight, dequantize_int_weight
 from nybble.quant.gguf_blocks import SUPPORTED_QUANT_TYPES, unpack_blocks
 from nybble.quant.gguf_linear import GGUFQuantLinear
 from nybble.quant.linear import CpuPathLog

@@ -15,7 +15,7 @@ import torch
 from nybble.cli import main
 from nybble.config import ModelConfig
 from nybble.errors import UnsupportedModelError
-from nybble.kernels.reference_attention import TorchAttentionBackend
+from nybble.kernels.reference.attention import TorchAttentionBackend
 from nybble.models.loader import load_model
 from tests.conftest import shared_path
 

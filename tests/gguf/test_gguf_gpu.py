@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from nybble.config import ModelConfig
-from nybble.kernels.reference_attention import TorchAttentionBackend
+from nybble.kernels.reference.attention import TorchAttentionBackend
 from nybble.models.loader import load_model
 from nybble.models.scoring import prefill_logits
 from tests.conftest import shared_path

@@ -1,6 +1,7 @@
 """``nybble serve`` on the published SmolLM2-135M-Instruct Q4_1 GGUF answers the reference
 questions through the openai client exactly as transformers does in float32 on the
-dequantized weights (``reference/transformers_fp32_chat.json``)."""
+dequantized weights (``reference/transformers_fp32_chat.json``) on the exact CPU path
+(``--cpu-activation-dtype float32``)."""
 from __future__ import annotations
 
 import json
@@ -24,6 +25,7 @@ def test_chat_reproduces_transformers(tmp_path: Path) -> None:
         refs = json.load(f)
     proc, url = start_server(tmp_path / "serve.log", FILE, "--api-key", API_KEY,
                              "--max-model-len", "512", "--dtype", "float32",
+                             "--cpu-activation-dtype", "float32",
                              env={"NYBBLE_CACHE_DIR": str(tmp_path / "cache")})
     try:
         client = Server(url=url, api_key=API_KEY, log_path=tmp_path / "serve.log").openai()
