@@ -2,7 +2,9 @@
 and the CPU decode-attention kernel.
 
 Metadata lives in pyproject.toml; this file only declares the extension modules.
-Set ``NYBBLE_CYTHON_DEBUG=1`` to turn bounds checks back on and add line tracing.
+Set ``NYBBLE_CYTHON_DEBUG=1`` to turn bounds checks back on and add line tracing. This file
+owns the Cython directives: the ``.pyx`` / ``.pxd`` headers set only ``language_level`` (a
+file's header would beat ``compiler_directives``); tests/test_cython_build.py checks both.
 """
 import os
 
@@ -23,10 +25,11 @@ if DEBUG:
 macros = [("CYTHON_TRACE_NOGIL", "1")] if DEBUG else []
 macros.append(("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION"))
 
+# The Cython scheduling core (nybble/runtime/scheduler/*.pyx).
 extensions = [
     Extension(
-        f"nybble.runtime.{name}",
-        [f"nybble/runtime/{name}.pyx"],
+        f"nybble.runtime.scheduler.{name}",
+        [f"nybble/runtime/scheduler/{name}.pyx"],
         include_dirs=[np.get_include()],
         define_macros=macros,
         extra_compile_args=["-O3"],
@@ -34,26 +37,36 @@ extensions = [
     for name in ("sequence", "prefix_cache", "block_allocator", "batch_builder", "seq_table",
                  "scheduler", "ngram")
 ]
-# The CPU paged decode attention kernel (nybble/kernels/cpu_attention.pyx).
+CPU = "nybble/kernels/cpu"
+# NOTE: the C headers' folder is on the include path: no header there may share a system
+# header's name (hence cpu_features.h, not features.h, which glibc has).
+# The CPU paged decode attention kernel (nybble/kernels/cpu/attention.pyx).
 # NOTE: -fassociative-math (with the flags it needs) lets GCC vectorise the dot products'
 # sums; no -ffast-math: infinities (the softmax's -inf start) and NaN checks stay IEEE.
 extensions.append(Extension(
-    "nybble.kernels.cpu_attention", ["nybble/kernels/cpu_attention.pyx"], define_macros=macros,
+    "nybble.kernels.cpu.attention", [f"{CPU}/attention.pyx"], define_macros=macros,
     extra_compile_args=["-O3", "-fno-math-errno", "-fno-signed-zeros", "-fno-trapping-math",
                         "-fassociative-math"]))
-# The CPU weight-only INT4/INT8 GEMM (nybble/kernels/cpu_wo_gemm.pyx + .h): the AVX2 path is
+# The CPU weight-only INT4/INT8 GEMM (nybble/kernels/cpu/wo_gemm.pyx + .h): the AVX2 path is
 # compiled for that target alone (function attributes) and chosen at run time, so the module
 # still loads on CPUs without it.
 extensions.append(Extension(
-    "nybble.kernels.cpu_wo_gemm", ["nybble/kernels/cpu_wo_gemm.pyx"], define_macros=macros,
-    include_dirs=["nybble/kernels"], depends=["nybble/kernels/cpu_wo_gemm.h", "nybble/kernels/cpu_features.h"],
+    "nybble.kernels.cpu.wo_gemm", [f"{CPU}/wo_gemm.pyx"], define_macros=macros,
+    include_dirs=[CPU], depends=[f"{CPU}/wo_gemm.h", f"{CPU}/cpu_features.h"],
     extra_compile_args=["-O3"]))
-# The fused CPU decode step (nybble/kernels/cpu_decoder.pyx + .h); the same float flags as the
+# The CPU quantized GEMM with bf16 dot products (nybble/kernels/cpu/qgemm.pyx + .h): the
+# AVX-512 BF16 path is compiled for that target alone (function attributes) and chosen at run
+# time; no -ffast-math (the bf16 rounding and the sums' order are part of its contract).
+extensions.append(Extension(
+    "nybble.kernels.cpu.qgemm", ["nybble/kernels/cpu/qgemm.pyx"], define_macros=macros,
+    include_dirs=["nybble/kernels/cpu", np.get_include()],
+    depends=["nybble/kernels/cpu/qgemm.h", "nybble/kernels/cpu/qgemm_struct.pxi"],
+    extra_compile_args=["-O3"]))
+# The fused CPU decode step (nybble/kernels/cpu/decoder.pyx + .h); the same float flags as the
 # attention kernel, so the dot products' sums vectorise.
 extensions.append(Extension(
-    "nybble.kernels.cpu_decoder", ["nybble/kernels/cpu_decoder.pyx"], define_macros=macros,
-    include_dirs=["nybble/kernels", np.get_include()], depends=["nybble/kernels/cpu_decoder.h",
-                                                   "nybble/kernels/cpu_features.h"],
+    "nybble.kernels.cpu.decoder", [f"{CPU}/decoder.pyx"], define_macros=macros,
+    include_dirs=[CPU, np.get_include()], depends=[f"{CPU}/decoder.h", f"{CPU}/cpu_features.h"],
     extra_compile_args=["-O3", "-fno-math-errno", "-fno-signed-zeros", "-fno-trapping-math",
                         "-fassociative-math"]))
 

@@ -52,6 +52,8 @@ $PY -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.ve
 
 step install 60 $PY -m pip install --no-deps --no-build-isolation -e .
 step kernel_tests 120 $PY -m pytest tests/kernels -q -x -p no:cacheprovider
+# GGUF on CUDA: the float-minimum dequant-GEMM (Q4_1/Q4_K/Q5_K) and the INT4/INT8 ones on real files
+step gguf_cuda 60 $PY -m pytest tests/gguf/test_gguf_gpu.py tests/kernels/triton/test_quant_gemm.py -q -x -k "cuda or minimums" -p no:cacheprovider
 step bench_quant_gemm 90 $PY benchmarks/kernels_quant_gemm.py
 step bench_attention 60 $PY benchmarks/kernels_attention.py
 if [ -f benchmarks/e2e_decode_gpu.py ]; then

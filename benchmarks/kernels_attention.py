@@ -30,9 +30,9 @@ from kernels_quant_gemm import bench_ms, copy_bandwidth_gbs
 
 from nybble.bench.report import print_table, write_json
 from nybble.kernels.interface import AttentionMetadata
-from nybble.kernels.reference_attention import paged_attention
-from nybble.kernels.triton_paged_decode import paged_decode_attention
-from nybble.kernels.triton_paged_prefill import paged_prefill_attention
+from nybble.kernels.reference.attention import paged_attention
+from nybble.kernels.triton.paged_decode import paged_decode_attention
+from nybble.kernels.triton.paged_prefill import paged_prefill_attention
 
 
 def make_case(batch: int, ctx: int, q_len: int, hq: int, hkv: int, d: int, block_size: int,

@@ -26,7 +26,7 @@ if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from nybble.bench.report import print_table, write_json
-from nybble.kernels.triton_quant_gemm import awq_gemm, gptq_gemm
+from nybble.kernels.triton.quant_gemm import awq_gemm, gptq_gemm
 
 
 def bench_ms(fn: Callable[[], object]) -> float:

@@ -2,7 +2,8 @@
 
 For each ``--kv-cache-dtype`` (``auto``: the fp32 cache, ``int8``, ``fp8_e4m3``): nybble's own
 model (float32, CPU, the torch reference attention), the per-head scales calibrated as the
-engine does at start-up (:func:`nybble.runtime.kv_calibration.calibrate_kv_scales`), scored by
+engine does at start-up (:func:`nybble.runtime.worker.kv_calibration.calibrate_kv_scales`), scored
+by
 ``nybble eval-ppl``'s protocol (every story with BOS, windows of 512 tokens advancing by 256).
 Prefill reads the keys and values back from the quantized cache, so every attention score of
 the text goes through the quantization. Also prints the pool-size ratio: tokens a 256 MiB pool
@@ -25,8 +26,8 @@ from _report import print_table, write_json  # noqa: E402
 from nybble.config import CacheConfig  # noqa: E402
 from nybble.models.scoring import prefill_logits  # noqa: E402
 from nybble.quantize.eval_ppl import nybble_model, perplexity  # noqa: E402
-from nybble.runtime.kv_cache import kv_storage_dtype, plan_kv_cache  # noqa: E402
-from nybble.runtime.kv_calibration import calibrate_kv_scales  # noqa: E402
+from nybble.runtime.worker.kv_cache import kv_storage_dtype, plan_kv_cache  # noqa: E402
+from nybble.runtime.worker.kv_calibration import calibrate_kv_scales  # noqa: E402
 
 SHARED = os.environ.get("NYBBLE_SHARED", os.path.join(os.path.dirname(_HERE), "..", "shared"))
 

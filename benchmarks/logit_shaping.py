@@ -37,8 +37,8 @@ sys.path[:0] = [_HERE, os.path.dirname(_HERE)]   # benchmarks/ and the repo root
 from _report import machine_meta, print_table, write_json
 from nybble import SamplingParams
 from nybble.config import DEFAULT_MODEL
-from nybble.runtime import model_runner
-from nybble.runtime.engine import LLMEngine
+from nybble.runtime.worker import model_runner
+from nybble.runtime.llm_engine import LLMEngine
 from nybble.sampling_params import GuidedDecodingParams
 
 PROMPTS = ["Once upon a time", "The dog", "Lily and Tom", "One day, a little bird"]

@@ -37,8 +37,8 @@ from _report import print_table, write_json
 
 from nybble import SamplingParams
 from nybble.config import DEFAULT_MODEL
-from nybble.kernels.reference_attention import plan_attention
-from nybble.runtime.engine import LLMEngine
+from nybble.kernels.reference.attention import plan_attention
+from nybble.runtime.llm_engine import LLMEngine
 
 
 def _engine(model: str, num_seqs: int) -> LLMEngine:

@@ -44,15 +44,23 @@ SLOTS = 16
 
 
 @contextlib.contextmanager
-def llama_server(binary: str, gguf: str, timeout_s: float = 60.0) -> Iterator[str]:
-    """Run ``llama-server`` on a free loopback port (one thread, 16 slots); yields its URL.
+def llama_server(binary: str, gguf: str, timeout_s: float = 60.0, threads: int = 1,
+                 slots: int = SLOTS, ctx_per_slot: int = 512) -> Iterator[str]:
+    """Run ``llama-server`` on a free loopback port; yields its URL.
+
+    Args:
+        threads: ``-t`` and ``-tb`` (decode and batch/prompt threads).
+        slots: ``-np``, parallel sequences.
+        ctx_per_slot: tokens each slot holds; ``-c`` is ``slots * ctx_per_slot`` (the server
+            splits its context between the slots).
 
     Raises:
         RuntimeError: it exited or did not answer ``/health`` within ``timeout_s``.
     """
     port = free_port()
     cmd = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port),
-           "-c", str(512 * SLOTS), "-np", str(SLOTS), "-t", "1", "-tb", "1"]
+           "-c", str(ctx_per_slot * slots), "-np", str(slots), "-t", str(threads),
+           "-tb", str(threads)]
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryFile() as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)

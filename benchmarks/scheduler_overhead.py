@@ -2,7 +2,8 @@
 
 Measures microseconds per step with 32, 256 and 1024 running decode sequences, for the Cython
 ``Scheduler`` and for ``ReferenceScheduler``, the plain-Python reference of the same rule
-(``nybble/runtime/reference_scheduler.py``, the tests' oracle: same batches, same block ids).
+(``nybble/runtime/scheduler/reference_scheduler.py``, the tests' oracle: same batches, same block
+ids).
 No model runs: sampled tokens are a constant. CPU only, no torch. The two are timed in
 alternating runs (A B, B A, ...) and each cell is the median of ``--repeats`` runs.
 
@@ -23,8 +24,8 @@ import numpy as np
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [_HERE, os.path.dirname(_HERE)]   # benchmarks/ and the repo root, as a script
 from _report import print_table, write_json
-from nybble.runtime.reference_scheduler import ReferenceScheduler
-from nybble.runtime.scheduler import Scheduler
+from nybble.runtime.scheduler.reference_scheduler import ReferenceScheduler
+from nybble.runtime.scheduler.scheduler import Scheduler
 
 BLOCK_SIZE = 16
 PROMPT_LEN = 128
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                       f"{args.repeats} alternating runs)")
     payload = {"benchmark": "scheduler_overhead", "steps": args.steps,
                "repeats": args.repeats, "block_size": BLOCK_SIZE, "prompt_len": PROMPT_LEN,
-               "python_impl": "nybble.runtime.reference_scheduler.ReferenceScheduler",
+               "python_impl": "nybble.runtime.scheduler.reference_scheduler.ReferenceScheduler",
                "load_average_before": load_before, "load_average_after": os.getloadavg(),
                "rows": rows}
     write_json(args.out, payload)

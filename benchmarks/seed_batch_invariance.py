@@ -1,7 +1,7 @@
 """Does a seeded request sample the same tokens alone and batched with 7-15 greedy requests?
 
 The sampler draws a seeded request's noise from the request's own generator, so the random
-numbers do not depend on the batch (``tests/runtime/test_sampling.py`` checks that). The
+numbers do not depend on the batch (``tests/runtime/sample/test_sampling.py`` checks that). The
 probabilities they are compared with come from the model's forward pass, whose float32
 results may differ in the last bits with the batch's size and composition (different GEMM
 shapes, different reduction orders). This script measures both effects on the engine as it is:
@@ -37,8 +37,8 @@ sys.path.insert(0, ROOT)  # run from a checkout without installing
 from nybble import SamplingParams
 from nybble.bench.report import print_table, write_json
 from nybble.config import DEFAULT_MODEL
-from nybble.runtime import model_runner
-from nybble.runtime.engine import LLMEngine
+from nybble.runtime.worker import model_runner
+from nybble.runtime.llm_engine import LLMEngine
 
 STARTS = ["Once upon a time", "The dog", "Lily and Tom went to the park", "One day, a bird",
           "The little girl saw a big red ball", "Tim was sad because", "In the forest",

@@ -44,8 +44,8 @@ _CORE_PROBE = """
 import asyncio, os
 from nybble.cli import build_parser
 from nybble.engine_args import engine_config_from_args
-from nybble.runtime.core_client import CoreClient
-from nybble.runtime.core_spawn import spawn_core
+from nybble.runtime.frontend.core_client import CoreClient
+from nybble.runtime.frontend.core_spawn import spawn_core
 config = engine_config_from_args(build_parser(["serve"]).parse_args(["serve"]))
 os.environ["PYTHONPROFILEIMPORTTIME"] = "1"
 client = CoreClient(spawn_core(config, log_level="WARNING"))

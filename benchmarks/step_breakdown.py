@@ -43,8 +43,8 @@ from _report import print_table, write_json
 
 from nybble import SamplingParams
 from nybble.config import DEFAULT_MODEL
-from nybble.runtime import model_runner as model_runner_module
-from nybble.runtime.engine import LLMEngine
+from nybble.runtime.worker import model_runner as model_runner_module
+from nybble.runtime.llm_engine import LLMEngine
 
 WARMUP_STEPS = 4
 PHASES = ("schedule", "prepare", "forward", "sample", "output", "detok", "step")

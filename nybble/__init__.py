@@ -31,11 +31,11 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from nybble.runtime.engine import LLMEngine
+    from nybble.runtime.llm_engine import LLMEngine
     from nybble.runtime.llm import LLM
 
 
-_LAZY = {"LLM": "nybble.runtime.llm", "LLMEngine": "nybble.runtime.engine"}
+_LAZY = {"LLM": "nybble.runtime.llm", "LLMEngine": "nybble.runtime.llm_engine"}
 
 
 def __getattr__(name: str) -> Any:

@@ -4,7 +4,7 @@
 :class:`SchedulerConfig`, :class:`CompilationConfig` and :class:`ParallelConfig`. Every field is validated at construction with a message that
 names the value received and the allowed range. Nothing mutates a config after it is built;
 values derived at start-up live elsewhere: the number of KV blocks in
-``nybble.runtime.kv_cache.KVCacheSpec``, the EOS ids and the model's dimensions
+``nybble.runtime.worker.kv_cache.KVCacheSpec``, the EOS ids and the model's dimensions
 (``nybble.models.shape.ModelShape``) in ``nybble.models.loader.LoadedModel``.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ DEFAULT_MODEL = os.path.join(os.path.dirname(__file__), "_bundled", "stories260k
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _ATTN_BACKENDS = ("auto", "cpu", "torch", "triton")
-_QUANT = (None, "awq", "gptq", "compressed-tensors")
+_QUANT = (None, "awq", "gptq", "compressed-tensors", "gguf")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "int8")
 """Allowed ``kv_cache_dtype`` values (vLLM's ``--kv-cache-dtype`` names)."""
 
@@ -38,19 +38,41 @@ TOKENIZER_FILE = "tokenizer.json"
 
 def has_tokenizer_file(folder: str) -> bool:
     """Whether ``folder`` holds a ``tokenizer.json`` (else the tokenizer needs transformers'
-    conversion, see ``nybble.runtime.hf_tokenizer``)."""
+    conversion, see ``nybble.tokenizer.hf_tokenizer``)."""
     return os.path.isfile(os.path.join(folder, TOKENIZER_FILE))
+
+
+def is_gguf(model: str) -> bool:
+    """Whether the model path names a GGUF file (``.gguf``) rather than a folder."""
+    return model.lower().endswith(".gguf")
+
+
+def config_folder(model: str) -> str:
+    """The folder holding ``config.json`` for ``model``: the model folder itself, or the
+    side folder of a GGUF file (:func:`nybble.gguf.side_folder.side_folder_path`)."""
+    if not is_gguf(model):
+        return model
+    from nybble.gguf.side_folder import side_folder_path
+
+    return side_folder_path(model)
 
 
 def check_model_dir(model_dir: str) -> None:
     """Fail early, with a clear message, unless ``model_dir`` is a local model folder.
 
-    Cheap (no heavy import), so the CLI answers a bad path at once.
+    Cheap (no heavy import), so the CLI answers a bad path at once. A ``.gguf`` file is
+    checked instead (magic, version, every shard present) and its side folder of
+    Hugging Face files is written from its metadata if needed (:mod:`nybble.gguf.side_folder`).
 
     Raises:
         UnsupportedModelError: no such folder, a file instead of a folder, or no
-            ``config.json`` in it.
+            ``config.json`` in it; for a GGUF file, any of the checks above.
     """
+    if is_gguf(model_dir):
+        from nybble.gguf.side_folder import ensure_side_folder
+
+        ensure_side_folder(model_dir)
+        return
     if os.path.isfile(os.path.join(model_dir, "config.json")):
         return
     what = ("has no config.json" if os.path.isdir(model_dir) else
@@ -137,8 +159,9 @@ class ModelConfig:
     """Which model to load and how.
 
     Attributes:
-        model: path of a Hugging Face model folder (config.json + *.safetensors + tokenizer).
-        tokenizer: tokenizer folder; defaults to ``model``.
+        model: path of a Hugging Face model folder (config.json + *.safetensors + tokenizer)
+            or of a GGUF file (``.gguf``; config and tokenizer from its metadata).
+        tokenizer: tokenizer folder; defaults to ``model`` (a GGUF file's side folder).
         dtype: ``auto`` (the checkpoint's ``torch_dtype``; float16 for quantized checkpoints
             on GPU, float32 on CPU), ``float32``, ``float16`` or ``bfloat16``.
         max_model_len: longest sequence (prompt + output, tokens); default: the model's
@@ -148,6 +171,11 @@ class ModelConfig:
         device: ``cpu``, ``cuda`` or ``auto`` (cuda when available).
         seed: seed of the global sampling generator (requests without their own seed).
         served_model_name: name reported by the API; default: the folder name.
+        cpu_activation_dtype: what the CPU's quantized matmuls round activations to:
+            ``bfloat16`` (the fast path: AVX-512 BF16 dot products over the packed weight,
+            any number of rows), ``float32`` (the exact path: float32 activations, the
+            dequantized weight's exact products), or ``auto`` (bfloat16 where the CPU has
+            AVX-512 BF16, else float32). Dense weights and GPUs are unaffected.
         max_logprobs: largest ``logprobs`` / ``top_logprobs`` a request may ask for
             (vLLM's ``--max-logprobs``); the request gate also caps it at the vocabulary size.
     """
@@ -161,6 +189,7 @@ class ModelConfig:
     seed: int = 0
     served_model_name: str | None = None
     max_logprobs: int = 20
+    cpu_activation_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         _check(self.dtype in _DTYPES, "dtype", f"one of {_DTYPES}", self.dtype)
@@ -169,6 +198,8 @@ class ModelConfig:
         _check(self.max_model_len is None or self.max_model_len >= 1,
                "max_model_len", ">= 1", self.max_model_len)
         _check(self.max_logprobs >= 0, "max_logprobs", ">= 0", self.max_logprobs)
+        _check(self.cpu_activation_dtype in ("auto", "bfloat16", "float32"),
+               "cpu_activation_dtype", "auto, bfloat16 or float32", self.cpu_activation_dtype)
 
     def check_folders(self) -> None:
         """Check, cheaply, that the model (and tokenizer) folders exist.
@@ -183,13 +214,15 @@ class ModelConfig:
 
     @property
     def tokenizer_folder(self) -> str:
-        """Where the tokenizer files are (``tokenizer``, else the model folder)."""
-        return self.tokenizer or self.model
+        """Where the tokenizer files are (``tokenizer``, else the model folder, or the side
+        folder of a GGUF file)."""
+        return self.tokenizer or config_folder(self.model)
 
     @property
     def name(self) -> str:
         """The model name the API reports."""
-        return self.served_model_name or os.path.basename(os.path.normpath(self.model))
+        base = os.path.basename(os.path.normpath(self.model))
+        return self.served_model_name or (base[:-len(".gguf")] if is_gguf(base) else base)
 
 
 @dataclass(frozen=True)
@@ -200,7 +233,9 @@ class CacheConfig:
         block_size: tokens per KV block (8, 16 or 32; default 16).
         num_gpu_blocks: number of KV blocks; overrides ``kv_cache_memory``.
         kv_cache_memory: KV cache budget in bytes, turned into blocks at start-up.
-            Default when neither is set: 256 MiB (CPU) or 90% of free GPU memory.
+            Default when neither is set: 256 MiB (CPU), grown to one ``max_model_len``
+            sequence within a quarter of RAM, or 90% of free GPU memory. A pool smaller than
+            the model's context lowers ``max_model_len``; a user-set one must fit.
         enable_prefix_caching: reuse the KV of full blocks whose token prefix was computed
             before (automatic prefix caching, vLLM's ``--enable-prefix-caching``); on by
             default, as in vLLM V1 (its cost on a workload with no shared prefix is in

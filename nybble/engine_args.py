@@ -36,12 +36,14 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     """
     if model_positional:
         parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                            help="model folder (Hugging Face layout); default: the bundled "
-                                 "stories260k model")
+                            help="model folder (Hugging Face layout) or GGUF file; default: "
+                                 "the bundled stories260k model")
     parser.add_argument("--model", default=None,
-                        help="model folder (Hugging Face layout); default: the bundled "
-                             "stories260k model (nybble.DEFAULT_MODEL)")
-    parser.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model)")
+                        help="model folder (Hugging Face layout) or .gguf file (config, "
+                             "tokenizer and chat template from its metadata); default: the "
+                             "bundled stories260k model (nybble.DEFAULT_MODEL)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="tokenizer folder (default: the model; a GGUF file's metadata)")
     parser.add_argument("--dtype", default="auto",
                         choices=["auto", "float32", "float16", "bfloat16"],
                         help="weight and activation dtype (auto: the checkpoint's on GPU, "
@@ -50,13 +52,19 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
                         help="longest sequence in tokens, prompt + output "
                              "(default: the model's max_position_embeddings)")
     parser.add_argument("--quantization", "-q", default=None,
-                        choices=["awq", "gptq", "compressed-tensors"],
+                        choices=["awq", "gptq", "compressed-tensors", "gguf"],
                         help="quantization method; must match the checkpoint "
                              "(default: detected from its quantization_config)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                         help="where the model runs (auto: cuda when available)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the sampler for requests without their own seed")
+    parser.add_argument("--cpu-activation-dtype", default="auto",
+                        choices=["auto", "bfloat16", "float32"],
+                        help="activations of the CPU's quantized matmuls: bfloat16 (fast "
+                             "AVX-512 BF16 dot products), float32 (exact: reproduces the "
+                             "dequantized model's float32 outputs); auto: bfloat16 where the "
+                             "CPU has AVX-512 BF16")
     parser.add_argument("--max-logprobs", type=int, default=20,
                         help="largest logprobs / top_logprobs a request may ask for")
     parser.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32],
@@ -65,7 +73,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
                         help="number of KV-cache blocks (overrides --kv-cache-memory)")
     parser.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
                         help="KV-cache budget in bytes, e.g. 256MiB (default: 256MiB on CPU, "
-                             "90%% of free memory on GPU)")
+                             "grown to one max-model-len sequence within a quarter of RAM; "
+                             "90%% of free memory on GPU; a model context that does not fit "
+                             "lowers max-model-len)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                         help="KV-cache storage: auto (the model's dtype), int8 or fp8_e4m3 "
                              "(one byte per element, per-head scales: about 2x the tokens)")
@@ -124,7 +134,7 @@ def engine_config_from_args(args: argparse.Namespace,
         model=model, tokenizer=args.tokenizer, dtype=args.dtype,
         max_model_len=args.max_model_len, quantization=args.quantization, device=args.device,
         seed=args.seed, served_model_name=served_model_name, max_logprobs=args.max_logprobs,
-        block_size=args.block_size,
+        cpu_activation_dtype=args.cpu_activation_dtype, block_size=args.block_size,
         num_gpu_blocks=args.num_gpu_blocks, kv_cache_memory=args.kv_cache_memory,
         enable_prefix_caching=args.enable_prefix_caching, kv_cache_dtype=args.kv_cache_dtype,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,

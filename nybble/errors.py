@@ -55,3 +55,31 @@ class EngineStepError(NybbleError):
 class WorkerFailedError(NybbleError, RuntimeError):
     """A tensor-parallel worker (rank 1..N-1) died or stopped answering: the engine cannot
     step again (the engine-core process reports itself dead, ``/health`` answers 503)."""
+
+
+class EngineStartupError(NybbleError):
+    """The engine core could not start (its one-line reason; a bad folder or flag)."""
+
+
+class EngineDeadError(NybbleError):
+    """The engine core is gone (it exited, or can no longer step): HTTP 503."""
+
+
+class EngineShutdownError(NybbleError):
+    """The server is shutting down: HTTP 503."""
+
+
+class EngineRequestError(NybbleError):
+    """The engine core failed this request (a failed step): HTTP 500."""
+
+
+class EngineOverloadedError(NybbleError):
+    """Too many requests wait for the engine (admission control): HTTP 503, retry later.
+
+    Attributes:
+        retry_after_s: a hint for the ``Retry-After`` header (seconds).
+    """
+
+    def __init__(self, message: str, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s

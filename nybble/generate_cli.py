@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from nybble.engine_args import add_engine_args, engine_config_from_args
 
@@ -21,15 +22,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the EOS token")
+    p.add_argument("--chat", action="store_true",
+                   help="send each PROMPT as one user message through the model's chat "
+                        "template and print only the answer (for instruct models)")
     add_engine_args(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     """Generate and print; returns the exit code (invalid input raises, and ``nybble``
-    turns that into one error line and exit code 2)."""
+    turns that into one error line and exit code 2).
+
+    Raises:
+        ValueError: the first PROMPT is an existing model folder (the model goes in
+            ``--model``), or ``--chat`` on a model without a chat template.
+    """
+    first = args.prompts[0]
+    if os.path.isfile(os.path.join(first, "config.json")):
+        raise ValueError(f"the first PROMPT {first!r} is a model folder; pass it as --model "
+                         f"{first} (nybble generate --model {first} \"PROMPT\")")
     engine_config_from_args(args).model_config.check_folders()  # NOTE: before torch: fast
-    from nybble.runtime.torch_threads import setup_threads
+    from nybble.runtime.worker.torch_threads import setup_threads
     from nybble.startup_gc import startup_gc_paused
 
     with startup_gc_paused():  # NOTE: imports and model load: nothing to collect
@@ -43,10 +56,15 @@ def run(args: argparse.Namespace) -> int:
                             top_k=args.top_k, min_p=args.min_p, seed=args.sample_seed,
                             max_tokens=args.max_tokens, stop=args.stop,
                             ignore_eos=args.ignore_eos)
-    outputs = llm.generate(args.prompts, params, use_tqdm=False)
+    prompts: list = list(args.prompts)
+    if args.chat:   # NOTE: the template writes BOS itself: no special tokens added again
+        tok = llm.get_tokenizer()
+        prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]),
+                              add_special_tokens=False) for text in prompts]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
     for out in outputs:
         for sample in out.outputs:
-            print((out.prompt or "") + sample.text)
+            print(sample.text if args.chat else (out.prompt or "") + sample.text)
             if len(out.outputs) > 1 or len(outputs) > 1:
                 print("-" * 40)
     return 0

@@ -1,7 +1,7 @@
 """Sampling parameters, with vLLM's argument names and OpenAI's ranges.
 
 ``SamplingParams`` only carries values (and normalises their spelling); every range is checked
-once, by the request gate (:mod:`nybble.runtime.input_processor`), when the request enters
+once, by the request gate (:mod:`nybble.runtime.frontend.input_processor`), when the request enters
 the engine, and ``max_tokens=None`` is resolved there too.
 """
 from __future__ import annotations

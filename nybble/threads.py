@@ -11,7 +11,7 @@ environment sets it; else the physical cores this process may run on, minus one 
 HTTP side) when there are more than two, and 1 on one or two cores. The OpenMP wait policy is
 ``PASSIVE`` (idle threads sleep instead of spinning) unless the environment says otherwise.
 Both must be set before torch is imported (:func:`set_thread_env`); torch's own setting follows
-(:mod:`nybble.runtime.torch_threads`). This module imports no torch: the API server process
+(:mod:`nybble.runtime.worker.torch_threads`). This module imports no torch: the API server process
 uses it too.
 """
 from __future__ import annotations
@@ -82,10 +82,12 @@ def set_thread_env(threads: int) -> None:
     os.environ.setdefault(WAIT_POLICY_ENV, "PASSIVE")
 
 
-def add_threads_arg(parser: argparse.ArgumentParser) -> None:
-    """Add ``--threads`` to a subcommand that runs the model."""
+def add_threads_arg(parser: argparse.ArgumentParser, default_help: str | None = None) -> None:
+    """Add ``--threads`` to a subcommand that runs the model; ``default_help`` replaces the
+    description of the default when the subcommand picks its own (``nybble quantize``)."""
     parser.add_argument(
         "--threads", type=int, default=None,
-        help="torch intra-op threads of the process that runs the model (default: "
-             "$OMP_NUM_THREADS if set, else the physical cores minus one when there are more "
-             "than two, else 1; idle threads sleep: OMP_WAIT_POLICY=PASSIVE)")
+        help="torch intra-op threads of the process that runs the model (default: " + (
+            default_help or "$OMP_NUM_THREADS if set, else the physical cores minus one when "
+                            "there are more than two, else 1") +
+        "; idle threads sleep: OMP_WAIT_POLICY=PASSIVE)")

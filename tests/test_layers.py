@@ -13,7 +13,7 @@ import tomllib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYPROJECT = os.path.join(ROOT, "pyproject.toml")
-RUNTIME = os.path.join(ROOT, "nybble", "runtime")
+CORE = os.path.join(ROOT, "nybble", "runtime", "scheduler")
 
 
 def _contracts() -> list[dict]:
@@ -39,7 +39,7 @@ def test_import_contracts_hold() -> None:
 
 def test_contracts_pin_every_layer_without_exceptions() -> None:
     contracts = {c["id"]: c for c in _contracts()}
-    assert set(contracts) == {"layers", "torch-free-core", "torch-free-api"}
+    assert set(contracts) == {"layers", "runtime-layers", "torch-free-core", "torch-free-api"}
     for c in contracts.values():
         assert not c.get("ignore_imports"), f"contract {c['id']} lists exceptions"
     layers = contracts["layers"]
@@ -66,27 +66,30 @@ def test_contracts_fail_on_upward_imports(tmp_path) -> None:
         f.write("from nybble.models import linear\n")
     with open(os.path.join(pkg, "quantize", "_sibling.py"), "w") as f:
         f.write("import nybble.server.app\n")
-    with open(os.path.join(pkg, "runtime", "batch.py"), "a") as f:
+    with open(os.path.join(pkg, "runtime", "scheduler", "batch.py"), "a") as f:
         f.write("\nimport torch\n")
     with open(os.path.join(pkg, "_unlayered.py"), "w") as f:
         f.write("X = 1\n")
-    with open(os.path.join(pkg, "runtime", "tokenizer.py"), "a") as f:
-        f.write("\ndef _convert():\n    from nybble.runtime import hf_tokenizer\n")
+    with open(os.path.join(pkg, "tokenizer", "tokenizer.py"), "a") as f:
+        f.write("\ndef _convert():\n    from nybble.tokenizer import hf_tokenizer\n")
+    with open(os.path.join(pkg, "runtime", "engine", "beam_search.py"), "a") as f:
+        f.write("\nimport nybble.runtime.frontend.request\n")  # across the process boundary
     proc = _lint_imports(str(tmp_path), str(tmp_path))
     out = " ".join(proc.stdout.split())  # the report wraps long lines
     assert proc.returncode == 1, out
-    assert "0 kept, 3 broken" in out
-    assert "nybble.runtime.tokenizer -> nybble.runtime.hf_tokenizer" in out
+    assert "0 kept, 4 broken" in out
+    assert "nybble.runtime.engine.beam_search -> nybble.runtime.frontend.request" in out
+    assert "nybble.tokenizer.tokenizer -> nybble.tokenizer.hf_tokenizer" in out
     assert "nybble.kernels._upward -> nybble.models.linear" in out
     assert "nybble.quantize._sibling -> nybble.server.app" in out
-    assert "nybble.runtime.batch -> torch" in out
+    assert "nybble.runtime.scheduler.batch -> torch" in out
     assert "nybble._unlayered" in out
 
 
 _IMPORT_WORDS = ("import", "cimport", "from")
 
 
-def cython_imports(source: str, package: str = "nybble.runtime") -> list[str]:
+def cython_imports(source: str, package: str = "nybble.runtime.scheduler") -> list[str]:
     """Modules named by the ``import`` / ``cimport`` / ``from ... (c)import`` statements of a
     ``.pyx`` / ``.pxd`` source, relative ones resolved against ``package``. Strings (docstrings)
     and comments are tokens of their own, so prose that mentions imports is not counted."""
@@ -133,27 +136,27 @@ def test_cython_import_scanner() -> None:
            "from libc.stdint cimport int32_t  # import torch in a comment\n"
            "cimport numpy as cnp\n"
            "import numpy as np, nybble.kernels\n"
-           "from nybble.runtime.batch import (\n    ScheduledBatch,\n)\n"
+           "from nybble.runtime.scheduler.batch import (\n    ScheduledBatch,\n)\n"
            "from .sequence cimport SeqStore\n"
            "def f():\n    import torch.nn\n")
     assert cython_imports(src) == ["libc.stdint", "numpy", "numpy", "nybble.kernels",
-                                   "nybble.runtime.batch", "nybble.runtime.sequence",
-                                   "torch.nn"]
-    allowed = {"nybble.runtime.batch", "nybble.runtime.sequence"}
+                                   "nybble.runtime.scheduler.batch",
+                                   "nybble.runtime.scheduler.sequence", "torch.nn"]
+    allowed = {"nybble.runtime.scheduler.batch", "nybble.runtime.scheduler.sequence"}
     assert core_violations({"x.pyx": src}, allowed) == ["x.pyx: nybble.kernels",
                                                          "x.pyx: torch.nn"]
 
 
 def test_cython_core_imports_no_torch_and_nothing_above_it() -> None:
-    files = sorted(f for f in os.listdir(RUNTIME) if f.endswith((".pyx", ".pxd")))
+    files = sorted(f for f in os.listdir(CORE) if f.endswith((".pyx", ".pxd")))
     assert len(files) >= 5
-    core = {f"nybble.runtime.{f.rsplit('.', 1)[0]}" for f in files}
+    core = {f"nybble.runtime.scheduler.{f.rsplit('.', 1)[0]}" for f in files}
     (torch_free,) = [c for c in _contracts() if c["id"] == "torch-free-core"]
     assert torch_free["forbidden_modules"] == ["torch"]
     allowed = core | set(torch_free["source_modules"])
     sources = {}
     for fname in files:
-        with open(os.path.join(RUNTIME, fname), encoding="utf-8") as f:
+        with open(os.path.join(CORE, fname), encoding="utf-8") as f:
             sources[fname] = f.read()
     bad = core_violations(sources, allowed)
     assert not bad, ("the Cython core may import only torch-free modules pinned by the "

@@ -11,7 +11,7 @@ def _throughput(args: argparse.Namespace) -> int:
 
     if args.model is not None and args.model not in MODEL_ALIASES:
         check_model_dir(args.model)  # NOTE: a bad path answers before torch is imported
-    from nybble.runtime.torch_threads import setup_threads
+    from nybble.runtime.worker.torch_threads import setup_threads
 
     # NOTE: before torch is imported; --threads (an engine flag) applies to both backends
     args.threads = setup_threads(args.threads)

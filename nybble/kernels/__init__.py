@@ -1,5 +1,5 @@
 """Attention backend selection: :func:`get_attention_backend` picks the torch reference, the CPU
-decode kernel (:mod:`nybble.kernels.cpu_backend`) or the Triton kernels once, when the engine
+decode kernel (:mod:`nybble.kernels.cpu.backend`) or the Triton kernels once, when the engine
 starts. Quantized GEMMs are dispatched per call instead,
 by the device of the activations, in :mod:`nybble.kernels.quant_ops`; the bit-packing layout
 both the kernels and the checkpoint formats read is :mod:`nybble.kernels.packing`."""
@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from nybble.kernels.cpu_backend import CpuAttentionBackend, cpu_kernel_available
+from nybble.kernels.cpu.backend import CpuAttentionBackend, cpu_kernel_available
 from nybble.kernels.interface import AttentionBackend, AttentionMetadata
-from nybble.kernels.reference_attention import TorchAttentionBackend
+from nybble.kernels.reference.attention import TorchAttentionBackend
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "get_attention_backend"]
 
@@ -45,7 +45,7 @@ def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
             raise ValueError("attention_backend 'triton' needs a CUDA device or "
                              f"TRITON_INTERPRET=1, got device {device.type!r}")
         try:
-            from nybble.kernels.triton_backend import TritonAttentionBackend
+            from nybble.kernels.triton.backend import TritonAttentionBackend
         except ImportError as e:
             raise ValueError(f"attention_backend 'triton' needs the triton package: {e}") from e
         return TritonAttentionBackend()

@@ -43,15 +43,6 @@ def quantize_kv(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tor
     return y.clamp_(-qmax, qmax).to(dtype)
 
 
-def dequantize_kv(q: torch.Tensor, scale: torch.Tensor, head_dim_axis: int,
-                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``float(q) * scale`` in ``dtype``; ``scale [Hkv]`` broadcast along the KV-head axis of
-    ``q``, which is ``head_dim_axis - 1`` (``q``'s last axis is the head dim ``D``)."""
-    shape = [1] * q.dim()
-    shape[head_dim_axis - 1] = scale.shape[0]
-    return (q.to(dtype) * scale.to(dtype).view(shape))
-
-
 def as_bytes(kv_cache: torch.Tensor) -> torch.Tensor:
     """``kv_cache`` viewed as ``int8`` when it is one byte per element (CPU indexing ops such
     as ``index_copy_`` / ``index_select`` do not take float8), else itself."""

@@ -1,14 +1,14 @@
 """Quantized GEMM dispatch (signatures: docs/interfaces.md "Kernels").
 
-On CUDA these call the fused Triton kernels in ``nybble.kernels.triton_quant_gemm`` (imported
+On CUDA these call the fused Triton kernels in ``nybble.kernels.triton.quant_gemm`` (imported
 lazily, so CPU-only installs never import Triton); elsewhere they dequantize with the
-references in :mod:`nybble.kernels.reference_quant` and run one matmul in ``x.dtype``.
+references in :mod:`nybble.kernels.reference.quant` and run one matmul in ``x.dtype``.
 """
 from __future__ import annotations
 
 import torch
 
-from nybble.kernels.reference_quant import dequantize_awq, dequantize_gptq, int8_w8a8_linear
+from nybble.kernels.reference.quant import dequantize_awq, dequantize_gptq, int8_w8a8_linear
 
 
 def _use_triton(x: torch.Tensor) -> bool:
@@ -22,7 +22,8 @@ def _matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torc
 
 def gptq_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
               scales: torch.Tensor, g_idx: torch.Tensor | None, bits: int, group_size: int,
-              zero_offset: int, sym: bool, bias: torch.Tensor | None = None) -> torch.Tensor:
+              zero_offset: int, sym: bool, bias: torch.Tensor | None = None,
+              mins: torch.Tensor | None = None) -> torch.Tensor:
     """``y = x @ dequant_gptq(...)^T + bias``.
 
     Args:
@@ -30,17 +31,19 @@ def gptq_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
         qzeros: int32 ``[G, N*bits/32]``. scales: ``[G, N]``. g_idx: int32 ``[K]`` or None.
         bits: 4 or 8. group_size: -1 (= K) or the group width.
         zero_offset: 1 for gptq v1, 0 for gptq_v2. sym: fixed zero ``2^(bits-1)``.
-        bias: ``[N]`` or None.
+        bias: ``[N]`` or None. mins: ``[G, N]`` float per-group minimum (``W = s * q + m``,
+            the zeros ignored; GGUF's Q4_1/Q4_K/Q5_1/Q5_K) or None.
 
     Returns:
         ``[M, N]`` in ``x.dtype``.
     """
     if _use_triton(x):
-        from nybble.kernels import triton_quant_gemm
+        from nybble.kernels.triton import quant_gemm as triton_quant_gemm
 
         return triton_quant_gemm.gptq_gemm(x, qweight, qzeros, scales, g_idx, bits, group_size,
-                                           zero_offset, sym, bias)
-    w = dequantize_gptq(qweight, qzeros, scales, g_idx, bits, group_size, zero_offset, sym)
+                                           zero_offset, sym, bias, mins=mins)
+    w = dequantize_gptq(qweight, qzeros, scales, g_idx, bits, group_size, zero_offset, sym,
+                        mins)
     return _matmul(x, w, bias)
 
 
@@ -57,7 +60,7 @@ def awq_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
         ``[M, N]`` in ``x.dtype``.
     """
     if _use_triton(x):
-        from nybble.kernels import triton_quant_gemm
+        from nybble.kernels.triton import quant_gemm as triton_quant_gemm
 
         return triton_quant_gemm.awq_gemm(x, qweight, qzeros, scales, group_size, bias)
     return _matmul(x, dequantize_awq(qweight, qzeros, scales, group_size), bias)

@@ -1,5 +1,5 @@
 """The fused CPU step: a forward step of a float32 Llama-family model in one C call
-(:mod:`nybble.kernels.cpu_decoder`) instead of ~230 torch ops.
+(:mod:`nybble.kernels.cpu.decoder`) instead of ~230 torch ops.
 
 A small model's decode step on the CPU is dominated by per-op framework overhead (a few
 microseconds per op for math that takes less): the bundled model's forward is ~1.1 ms of
@@ -20,16 +20,12 @@ sequence), by the same row-per-token rule; steps of more tokens keep the torch p
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 import torch
 
 from nybble.kernels.interface import AttentionMetadata
 from nybble.models.linear import DenseLinear
-
-if TYPE_CHECKING:
-    from nybble.models.llama import LlamaForCausalLM
+from nybble.models.protocols import CausalLMParts
 
 MAX_FUSED_TOKENS = 32
 """Most tokens (rows) a step of a model that is not small may have to run fused. Measured on the
@@ -41,7 +37,7 @@ SMALL_MODEL_BYTES = 4 * 2**20
 """Linear-weight bytes up to which a model runs every step fused (the bundled model: 0.9 MB)."""
 
 try:
-    from nybble.kernels.cpu_decoder import CpuDecoder
+    from nybble.kernels.cpu.decoder import CpuDecoder
 except ImportError:  # pragma: no cover - an install without the compiled extension
     CpuDecoder = None
 
@@ -73,11 +69,11 @@ class FusedCpuDecode:
         self.every_step = every_step
 
     @classmethod
-    def build(cls, model: LlamaForCausalLM, kv_caches: list[torch.Tensor]
+    def build(cls, model: CausalLMParts, kv_caches: list[torch.Tensor]
               ) -> tuple[FusedCpuDecode | None, str]:
         """The fused step for ``model`` over ``kv_caches``, or ``(None, reason)``."""
         if CpuDecoder is None:
-            return None, "the compiled nybble.kernels.cpu_decoder extension is missing"
+            return None, "the compiled nybble.kernels.cpu.decoder extension is missing"
         if model.layout.sharded:
             return None, "tensor-parallel shards (the fused step has no collectives)"
         why = _unfused_feature(model)

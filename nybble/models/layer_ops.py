@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -25,9 +25,7 @@ from nybble.distributed.comm import TPGroup
 from nybble.kernels.interface import AttentionMetadata
 from nybble.models.layers import RotaryEmbedding, silu_and_mul
 from nybble.models.linear import as_function
-
-if TYPE_CHECKING:
-    from nybble.models.llama import LlamaDecoderLayer
+from nybble.models.protocols import DecoderLayerParts
 
 Fn = Callable[[torch.Tensor], torch.Tensor]
 
@@ -69,7 +67,7 @@ class LayerOps:
     rope_index: int = 0
 
     @classmethod
-    def of(cls, layer: LlamaDecoderLayer) -> LayerOps:
+    def of(cls, layer: DecoderLayerParts) -> LayerOps:
         """The ops of ``layer`` (bound to its current weights)."""
         attn, mlp = layer.self_attn, layer.mlp
         o_proj, down = as_function(attn.o_proj), as_function(mlp.down_proj)

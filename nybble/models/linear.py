@@ -115,9 +115,11 @@ def build_linear(factory: LinearFactory, prefixes: list[str], in_features: int,
                  out_features: list[int], bias: bool, dtype: torch.dtype,
                  device: torch.device) -> nn.Module:
     """The module ``factory`` builds, or a :class:`DenseLinear` when it says "stay dense"
-    (None); records ``shard_prefixes`` (the checkpoint names the loader fuses)."""
+    (None); records ``shard_prefixes`` (the checkpoint names the loader fuses) and
+    ``shard_widths`` (their output widths)."""
     module = factory(prefixes, in_features, out_features, bias, dtype, device)
     if module is None:
         module = DenseLinear(in_features, sum(out_features), bias, dtype, device)
     module.shard_prefixes = list(prefixes)
+    module.shard_widths = list(out_features)
     return module

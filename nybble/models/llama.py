@@ -79,7 +79,7 @@ class LlamaAttention(nn.Module):
         self._extra = {k: v for k, v in (("window", self.window), ("softcap", self.softcap))
                        if v is not None}
         # [2, Hkv] float32 per-head K/V scales of a quantized KV cache (set by
-        # nybble.runtime.kv_calibration before the pool is used); None for a float cache.
+        # nybble.runtime.worker.kv_calibration before the pool is used); None for a float cache.
         self.kv_scale: torch.Tensor | None = None
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -204,6 +204,10 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if self.tie_word_embeddings else nn.Parameter(
             torch.empty(rows, config.hidden_size, dtype=dtype, device=device),
             requires_grad=False)
+        # quantized token embedding / output head (GGUF files): modules with ``embed_rows``
+        # and ``__call__`` (``nybble.quant.gguf_linear``), replacing the float tables
+        self.quant_embed: nn.Module | None = None
+        self.quant_head: nn.Module | None = None
         self.segments: Segments = EAGER_SEGMENTS
         self._ops: ModelOps | None = None
         self.fused_decode: FusedCpuDecode | None = None
@@ -215,12 +219,29 @@ class LlamaForCausalLM(nn.Module):
         NOTE: the ops hold the parameter tensors; ``.to()``/``.half()`` (``_apply``) drop
         them, and so must any code that assigns new parameter tensors to a submodule."""
         if self._ops is None:
-            self._ops = ModelOps(vocab_embedding(self.embed_tokens.weight, self.layout,
-                                                 self.embed_scale),
+            embed = (self.quant_embed.embed_rows if self.quant_embed is not None else
+                     vocab_embedding(self.embed_tokens.weight, self.layout, self.embed_scale))
+            if self.quant_embed is not None and self.embed_scale is not None:
+                rows, scale = self.quant_embed.embed_rows, self.embed_scale
+                embed = lambda ids: rows(ids).mul_(scale)  # noqa: E731 (Gemma's sqrt(hidden))
+            self._ops = ModelOps(embed,
                                  tuple(self.rotary_embs),
                                  tuple(LayerOps.of(layer) for layer in self.layers),
                                  as_function(self.norm))
         return self._ops
+
+    def set_quantized_vocab(self, embed: nn.Module | None, head: nn.Module | None) -> None:
+        """Use a quantized token embedding (``embed.embed_rows(ids [T]) -> [T, hidden]``) and
+        output head (``head(hidden [S, hidden]) -> [S, vocab]``) instead of the float tables
+        (None: keep the float one). One rank only.
+
+        Raises:
+            ValueError: under tensor parallelism.
+        """
+        if self.layout.sharded and (embed is not None or head is not None):
+            raise ValueError("a quantized embedding or head needs tensor_parallel_size 1")
+        self.quant_embed, self.quant_head = embed, head
+        self._ops = None
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
         self._ops = None   # parameters may be new tensors after .to() / .half()
@@ -260,6 +281,8 @@ class LlamaForCausalLM(nn.Module):
         Under tensor parallelism (on rank 0) it first sends the rows to the other ranks
         (:data:`~nybble.distributed.channel.Kind.LOGITS`), each computes its vocabulary
         rows, and rank 0 gathers them."""
+        if self.quant_head is not None:
+            return self.quant_head(hidden)
         if not self.layout.sharded:
             return self._softcapped(nn.functional.linear(hidden, self._head_weight()))
         channel.send(self.layout.tp, channel.Kind.LOGITS, tuple(hidden.shape), hidden)

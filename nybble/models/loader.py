@@ -18,9 +18,10 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from nybble.config import ModelConfig, check_model_dir, model_weight_files
+from nybble.config import ModelConfig, check_model_dir, config_folder, is_gguf, model_weight_files
 from nybble.distributed.comm import TPGroup, single_rank
 from nybble.errors import UnsupportedModelError
+from nybble.kernels.cpu.qgemm import have_bf16
 from nybble.kernels.interface import AttentionBackend
 from nybble.models.hf_config import HFConfig, load_hf_config
 from nybble.models.linear import dense_linear_factory
@@ -109,6 +110,14 @@ def _module_bytes(module: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def cpu_activations(choice: str) -> str:
+    """``ModelConfig.cpu_activation_dtype`` resolved: ``auto`` is ``bfloat16`` where the CPU
+    has AVX-512 BF16 (the fast kernel's instruction), else ``float32``."""
+    if choice == "auto":
+        return "bfloat16" if have_bf16() else "float32"
+    return choice
+
+
 def load_model(cfg: ModelConfig, backend: AttentionBackend, device: torch.device,
                tp: TPGroup | None = None) -> LoadedModel:
     """Build the model for ``cfg.model`` and load its weights (under tensor parallelism
@@ -121,10 +130,24 @@ def load_model(cfg: ModelConfig, backend: AttentionBackend, device: torch.device
         ValueError: ``max_model_len`` larger than the model's position limit.
     """
     check_model_dir(cfg.model)
-    hf_config = load_hf_config(cfg.model)
+    folder = config_folder(cfg.model)
+    hf_config = load_hf_config(folder)
     raw_config = hf_config.to_dict()
     spec = arch_spec(hf_config)
-    quant = load_quant_config(cfg.model, raw_config, cfg.quantization)
+    gguf = None
+    if is_gguf(cfg.model):
+        from nybble.models.gguf_model import open_gguf
+
+        gguf = open_gguf(cfg, tp)
+        gguf.path_log.activations = cpu_activations(cfg.cpu_activation_dtype)
+        quant = None
+    else:
+        if cfg.quantization == "gguf":
+            raise UnsupportedModelError(f"quantization 'gguf' needs a .gguf model file, got "
+                                        f"{cfg.model!r}")
+        quant = load_quant_config(cfg.model, raw_config, cfg.quantization)
+        if quant is not None:
+            quant.path_log.activations = cpu_activations(cfg.cpu_activation_dtype)
     dtype = resolve_dtype(cfg.dtype, hf_config, device)
     # NOTE: the model's own limit; sliding-window layers attend inside their window
     limit = int(getattr(hf_config, "max_position_embeddings", 2048))
@@ -132,7 +155,8 @@ def load_model(cfg: ModelConfig, backend: AttentionBackend, device: torch.device
     if max_len > limit:
         raise ValueError(f"max_model_len must be <= {limit} (the model's position limit), "
                          f"got {max_len}")
-    factory = quant.linear_factory if quant is not None else dense_linear_factory
+    factory = (gguf.factory if gguf is not None else
+               quant.linear_factory if quant is not None else dense_linear_factory)
     shape = ModelShape.from_hf_config(hf_config)
     layout = TPLayout.of(shape, int(hf_config.intermediate_size), tp or single_rank())
     try:
@@ -145,14 +169,18 @@ def load_model(cfg: ModelConfig, backend: AttentionBackend, device: torch.device
         raise UnsupportedModelError(
             f"{e} (under tensor_parallel_size {n} each rank holds 1/{n} of the heads and of "
             f"intermediate_size; a tensor_parallel_size whose shares fit is allowed)") from e
-    _load_weights(model, model_weight_files(cfg.model), dtype)
+    if gguf is not None:
+        gguf.load(model, dtype)
+    else:
+        _load_weights(model, model_weight_files(cfg.model), dtype)
     model.eval()
     linear_bytes = sum(_module_bytes(m) for n, m in model.named_modules()
                        if n.endswith(("_proj",)))
     return LoadedModel(model=model, hf_config=hf_config, shape=model.shape, dtype=dtype,
                        max_model_len=max_len,
-                       eos_token_ids=eos_token_ids(cfg.model, hf_config),
-                       quant_description=quant.describe() if quant is not None else "none",
+                       eos_token_ids=eos_token_ids(folder, hf_config),
+                       quant_description=(gguf.describe() if gguf is not None else
+                                          quant.describe() if quant is not None else "none"),
                        weight_bytes=_module_bytes(model), linear_weight_bytes=linear_bytes)
 
 

@@ -22,7 +22,7 @@ def prefill_logits(loaded: LoadedModel, sequences: list[list[int]],
         device: where the model lives (default: the embedding's device).
         cache_dtype: the scratch cache's dtype (default: the model's); ``torch.int8`` /
             ``torch.float8_e4m3fn`` need the layers' ``kv_scale`` set
-            (:mod:`nybble.runtime.kv_calibration`).
+            (:mod:`nybble.runtime.worker.kv_calibration`).
         keep_caches: when given, the per-layer scratch caches are appended to it.
 
     Returns:

@@ -28,8 +28,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                    help="KV-cache storage (auto: the serving dtype)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="GPUs to split the model over (computed only: nybble runs on one "
-                        "device today)")
+                   help="GPUs to split the model over, as `nybble serve --tensor-parallel-size` "
+                        "shards it (per-rank weights and KV heads)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                    help="serving dtype (auto: the checkpoint's, float32 becomes float16, as "
                         "the engine does on a GPU)")

@@ -1,13 +1,13 @@
 """The memory plan of a model on a GPU: weights, KV bytes per token, what fits.
 
-The KV side is the engine's own arithmetic (:mod:`nybble.runtime.kv_plan`: the budget the
+The KV side is the engine's own arithmetic (:mod:`nybble.runtime.worker.kv_plan`: the budget the
 engine takes from free memory, bytes per block, blocks in a budget), so ``nybble plan`` and
 ``nybble serve`` on a GPU of that size agree to the block. What the engine measures at
 start-up (free memory after the weights) the planner derives as ``gpu_memory - weights``;
 the CUDA context and allocator overhead (a few hundred MiB) are not modelled.
 
-Tensor parallelism (``tensor_parallel_size`` > 1) is computed only: nybble runs on one device
-today. Each rank holds ``1/tp`` of the linear layers, embeddings and LM head and
+Tensor parallelism (``tensor_parallel_size`` > 1) is planned as ``nybble serve
+--tensor-parallel-size`` runs it: each rank holds ``1/tp`` of the linear layers, embeddings and LM head and
 ``Hkv / tp`` KV heads (Megatron-LM's sharding; a head is replicated when ``tp > Hkv``).
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 from nybble.models.shape import ModelShape
 from nybble.plan.weights import TensorInfo, weight_bytes
-from nybble.runtime.kv_plan import (
+from nybble.runtime.worker.kv_plan import (
     KV_CACHE_DTYPES,
     KVLayout,
     blocks_in_budget,
@@ -35,7 +35,7 @@ class PlanRequest:
         gpu_memory: bytes of one GPU.
         max_model_len: tokens of one sequence (prompt + output); ``None``: the model's limit.
         kv_cache_dtype: ``auto``, ``fp8_e4m3`` or ``int8``.
-        tensor_parallel_size: GPUs the model is split over (computed only).
+        tensor_parallel_size: GPUs the model is split over (as the engine shards it).
         dtype: serving dtype of the floating weights and an ``auto`` KV cache
             (``float16``, ``bfloat16``, ``float32``).
         block_size: tokens per KV block.
@@ -154,7 +154,7 @@ def _advice(plan: MemoryPlan, shape: ModelShape, tensors: dict[str, TensorInfo],
             continue
         if alt.num_sequences:
             out.append(f"--tensor-parallel-size {tp}: {alt.num_sequences} sequence(s) fit per "
-                       f"GPU set (computed only: nybble does not run tensor parallel yet)")
+                       f"GPU set")
             break
     out.append(f"a GPU with more memory: each token of context needs "
                f"{plan.kv_bytes_per_token} bytes of KV cache")

@@ -10,7 +10,7 @@ import torch
 
 from nybble.kernels import quant_ops
 from nybble.kernels.packing import pack_factor
-from nybble.kernels.reference_quant import (
+from nybble.kernels.reference.quant import (
     IntWeight,
     compressed_int_weight,
     dequantize_int8_channel,

@@ -9,12 +9,18 @@ their buffer bytes is the checkpoint's packed weight memory (:func:`weight_bytes
 ``group_size`` is always the real, positive group size (the config resolves a per-channel
 ``-1``).
 
-CPU: a module loaded on the CPU also repacks its weight once for nybble's weight-only kernel
-(:mod:`nybble.kernels.cpu_weight_only`; about 0.5 extra bytes per INT4 weight, 1 per INT8,
-plus float32 scales and zero points), used for calls of up to ``MAX_ROWS`` tokens (decode);
-longer calls (prefill), float64 calls (the test oracle) and layouts the kernel cannot take use
-the reference dequantization. Each distinct choice is logged once per model
-(:class:`CpuPathLog`). ``NYBBLE_CPU_WEIGHT_ONLY=0`` turns the repack off.
+CPU: a module loaded on the CPU also repacks its weight once for one of nybble's CPU kernels,
+chosen by the model's ``cpu_activation_dtype`` (:class:`CpuPathLog` carries it):
+
+* ``bfloat16`` (the default where the CPU has AVX-512 BF16): the bf16-dot kernel
+  (:mod:`nybble.kernels.cpu.qgemm_pack`; 0.5 / 1 byte per weight plus float16 scales) for
+  calls of any number of rows, decode and prefill;
+* ``float32`` (exact): the float32 weight-only kernel (:mod:`nybble.kernels.cpu.weight_only`)
+  for calls of up to ``MAX_ROWS`` tokens, the reference dequantization beyond.
+
+Float64 calls (the test oracle) and layouts a kernel cannot take use the reference
+dequantization. Each distinct choice is logged once per model. ``NYBBLE_CPU_WEIGHT_ONLY=0``
+turns the repack off.
 """
 from __future__ import annotations
 
@@ -25,9 +31,11 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from nybble.kernels import cpu_weight_only, quant_ops
+from nybble.kernels import quant_ops
+from nybble.kernels.cpu import qgemm_pack as cpu_qgemm_pack
+from nybble.kernels.cpu import weight_only as cpu_weight_only
 from nybble.kernels.packing import pack_factor
-from nybble.kernels.reference_quant import (
+from nybble.kernels.reference.quant import (
     IntWeight,
     awq_int_weight,
     default_g_idx,
@@ -45,14 +53,19 @@ def weight_bytes(module: nn.Module) -> int:
 
 
 class CpuPathLog:
-    """Logs each distinct CPU matmul choice of a model's quantized layers once.
+    """A model's CPU matmul policy for its quantized layers, and the log of what each chose.
 
     One instance per model: :class:`nybble.quant.config.QuantConfig` owns one and hands it to
     every module it builds; modules built without one share a process-wide instance.
+
+    Attributes:
+        activations: ``bfloat16`` (the bf16-dot kernel) or ``float32`` (the exact path); set
+            by the loader from ``ModelConfig.cpu_activation_dtype`` before the weights load.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, activations: str = "float32") -> None:
         self._seen: set[tuple[str, str]] = set()
+        self.activations = activations
 
     def note(self, layer: str, choice: str) -> None:
         """Log ``"<layer>: CPU matmul <choice>"`` the first time this pair is seen."""
@@ -87,6 +100,7 @@ class QuantLinear(nn.Module):
         self.register_buffer("bias", None)
         self.path_log = path_log or _SHARED_LOG
         self.cpu_weight: cpu_weight_only.CpuWeight | None = None
+        self.cpu_packed: cpu_qgemm_pack.QPacked | None = None
 
     def _num_groups(self, group_size: int) -> int:
         """``ceil(in_features / group_size)``.
@@ -155,7 +169,7 @@ class QuantLinear(nn.Module):
 
     def _prepare_cpu(self) -> None:
         """After loading: repack for the CPU kernels when the module lives on the CPU."""
-        self.cpu_weight = None
+        self.cpu_weight = self.cpu_packed = None
         if self.device_.type != "cpu":
             return
         iw = self.int_weight()
@@ -163,6 +177,9 @@ class QuantLinear(nn.Module):
             choice = "reference (activations are quantized too; no weight-only kernel)"
         elif not cpu_kernels_enabled():
             choice = "reference (NYBBLE_CPU_WEIGHT_ONLY=0)"
+        elif self.path_log.activations == "bfloat16" and (
+                packed := cpu_qgemm_pack.pack(iw, self.weight_scales()))[0] is not None:
+            self.cpu_packed, choice = packed
         else:
             self.cpu_weight, why = cpu_weight_only.prepare(iw, self.weight_scales())
             choice = (f"{why} up to {cpu_weight_only.MAX_ROWS} tokens, reference beyond"
@@ -176,7 +193,9 @@ class QuantLinear(nn.Module):
         """``x [..., in] -> [..., out]`` in ``x.dtype``."""
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        if (self.cpu_weight is not None and x2.device.type == "cpu"
+        if self.cpu_packed is not None and x2.device.type == "cpu" and x2.dtype != torch.float64:
+            y = cpu_qgemm_pack.linear(x2, self.cpu_packed, self.bias)
+        elif (self.cpu_weight is not None and x2.device.type == "cpu"
                 and x2.shape[0] <= cpu_weight_only.MAX_ROWS and x2.dtype != torch.float64):
             y = cpu_weight_only.linear(x2, self.cpu_weight, self.bias)
         else:

@@ -7,7 +7,7 @@ import logging
 import os
 
 from nybble.config import check_model_dir
-from nybble.runtime.torch_threads import setup_threads
+from nybble.runtime.worker.torch_threads import setup_threads
 from nybble.threads import add_threads_arg
 
 logger = logging.getLogger(__name__)
@@ -123,7 +123,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     q.add_argument("--eval-text", help="held-out text (blank-line separated paragraphs): "
                                        "perplexity before and after goes into the report")
     q.add_argument("--out", required=True, help="output model folder")
-    add_threads_arg(q)
+    add_threads_arg(q, "1, so the same inputs give byte-identical files")
     q.set_defaults(func=_quantize)
 
     e = subparsers.add_parser(

@@ -9,8 +9,8 @@ from tqdm import tqdm
 
 from nybble.config import EngineConfig
 from nybble.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, RequestOutput
-from nybble.runtime.engine import LLMEngine
-from nybble.runtime.tokenizer import Tokenizer
+from nybble.runtime.llm_engine import LLMEngine
+from nybble.tokenizer.tokenizer import Tokenizer
 from nybble.sampling_params import BeamSearchParams, SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]
@@ -94,6 +94,52 @@ class LLM:
                              f"{len(params)}")
         return self._run(items, params, use_tqdm)
 
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, chat_template: str | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: list[dict[str, Any]] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Generate the answer to a conversation, or to each of several (vLLM's
+        ``LLM.chat``): rendered with the chat template exactly as the server renders a chat
+        completion (:mod:`nybble.tokenizer.chat_messages`), so with the same sampling the
+        output is the server's.
+
+        Args:
+            messages: one conversation (OpenAI chat messages, assistant ``tool_calls`` and
+                ``tool`` messages included) or a list of them.
+            sampling_params: one for all conversations or one per conversation.
+            use_tqdm: show a progress bar.
+            chat_template: a jinja2 template replacing the model's.
+            add_generation_prompt, continue_final_message: as in transformers'
+                ``apply_chat_template`` (not both).
+            tools: function specs for the template's ``tools`` variable
+                (``[{"type": "function", "function": {"name", "parameters", ...}}]``).
+            chat_template_kwargs: extra template variables (e.g. ``enable_thinking``).
+
+        Returns:
+            One :class:`RequestOutput` per conversation (the raw text: tool-call markup is
+            not parsed here, as in vLLM).
+
+        Raises:
+            InvalidRequestError: no chat template, the template refused a conversation, a
+                tool call's arguments are not a JSON object, or a prompt or parameter the
+                request gate refuses.
+        """
+        from nybble.tokenizer.chat_messages import template_messages
+
+        batch = [messages] if messages and isinstance(messages[0], dict) else messages
+        tok = self.get_tokenizer()
+        prompts: list[PromptType] = []
+        for conversation in batch:
+            text = tok.apply_chat_template(
+                template_messages(list(conversation)),  # type: ignore[arg-type]
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, chat_template=chat_template,
+                template_kwargs=chat_template_kwargs, tools=tools)
+            prompts.append(tok.encode(text, add_special_tokens=False))
+        return self.generate(prompts, sampling_params, use_tqdm)
+
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """Beam search for every prompt (vLLM's ``LLM.beam_search``), batched with continuous
@@ -102,7 +148,7 @@ class LLM:
 
         The rule is transformers' (``generate(num_beams=beam_width, do_sample=False,
         length_penalty=..., early_stopping=...)``); see docs/serving.md ("Beam search")
-        and :mod:`nybble.runtime.beam_search`.
+        and :mod:`nybble.runtime.engine.beam_search`.
 
         Args:
             prompts: text, token ids, or a list of them.

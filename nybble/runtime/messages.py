@@ -90,11 +90,6 @@ class SpecDecodeStats:
         return SpecDecodeStats(self.num_drafts, self.num_draft_tokens,
                                self.num_accepted_tokens, list(self.accepted_per_pos))
 
-    @property
-    def acceptance_rate(self) -> float:
-        """Accepted over drafted tokens (0 before the first draft)."""
-        return self.num_accepted_tokens / max(self.num_draft_tokens, 1)
-
 
 @dataclass(frozen=True)
 class EngineStats:

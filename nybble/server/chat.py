@@ -4,19 +4,27 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
+from nybble.errors import InvalidRequestError
 from nybble.outputs import CompletionOutput, RequestOutput
-from nybble.runtime.input_processor import ParamNames
+from nybble.runtime.frontend.input_processor import ParamNames
 from nybble.server.auth import require_api_key
+from nybble.server.chat_output import (
+    SampleParts,
+    finish_reason,
+    reasoning_parser,
+    whole_message,
+)
 from nybble.server.logprobs import SampleDecoder, chat_logprobs
 from nybble.server.openapi import generation_responses
 from nybble.server.protocol import ChatCompletionRequest
 from nybble.server.responses import (
-    AssistantMessage,
     ChatChoice,
     ChatCompletionChunk,
     ChatCompletionResponse,
     ChatStreamChoice,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
     UsageInfo,
 )
 from nybble.server.serving import (
@@ -29,6 +37,8 @@ from nybble.server.serving import (
 )
 from nybble.server.state import ServerState, get_state, wait_ready
 from nybble.server.streams import Delta, sse, usage_of
+from nybble.server.tool_choice import ToolPlan, plan_tools, remap_grammar_error
+from nybble.server.tool_parsers.streaming import CallDelta
 
 router = APIRouter(dependencies=[Depends(require_api_key), Depends(wait_ready)])
 
@@ -51,12 +61,21 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request
     state.check_model(req.model)
     budget = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     top = (req.top_logprobs or 0) if req.logprobs else None
-    params = sampling_params(req, getattr(req, budget), top)
+    plan = plan_tools(req, state.config)
+    params = sampling_params(req, getattr(req, budget), top,
+                             defaults=state.sampling_defaults)
+    if plan.guided is not None:
+        params.guided_decoding = plan.guided
+    if plan.keeps_special_tokens:
+        params.skip_special_tokens = False
     names = ParamNames(prompt="messages", max_tokens=budget, logprobs="top_logprobs")
-    renderer = ChatRenderer(state, req, new_id("chatcmpl"), top)
+    renderer = ChatRenderer(state, req, new_id("chatcmpl"), top, plan)
     include_usage = req.stream_options is not None and req.stream_options.include_usage
-    return await serve(request, state, renderer, params, names, t0, req.stream,
-                       include_usage)  # type: ignore[return-value]
+    try:
+        return await serve(request, state, renderer, params, names, t0, req.stream,
+                           include_usage)  # type: ignore[return-value]
+    except InvalidRequestError as e:   # NOTE: a tools grammar the core refused: name tools
+        raise remap_grammar_error(plan, e) from None
 
 
 def echo_text(req: ChatCompletionRequest) -> str:
@@ -77,10 +96,13 @@ class ChatRenderer:
     """
 
     def __init__(self, state: ServerState, req: ChatCompletionRequest, request_id: str,
-                 top: int | None) -> None:
+                 top: int | None, plan: ToolPlan) -> None:
         self.state, self.req, self.request_id, self.top = state, req, request_id, top
+        self.plan = plan
         self.logprobs = top is not None
         self.echo = echo_text(req)
+        self.reasoning = reasoning_parser(state.config.reasoning_parser, plan)
+        self._samples: dict[int, SampleParts] = {}
 
     def prompts(self) -> list[str | list[int]]:
         """The conversation rendered with the chat template, as token ids."""
@@ -106,14 +128,32 @@ class ChatRenderer:
         return events
 
     def delta_chunk(self, prompt_index: int, delta: Delta) -> str:
-        """A content delta (empty only in a choice's last chunk, when only the finish reason
-        is new)."""
+        """The chunks of one sample's delta: its reasoning, content and tool-call deltas
+        (one chunk each, OpenAI's shapes); the finish reason (``tool_calls`` after calls)
+        rides on the last. Text a parser holds back (possible markup) makes no chunk, unless
+        logprobs or the finish reason must go out (then an empty delta carries them)."""
         lp = None
         if self.top is not None and delta.logprobs:
             lp = chat_logprobs(delta.decoder, delta.token_ids, delta.logprobs, self.top)
-        message = DeltaMessage(content=delta.text) if delta.text else DeltaMessage()
-        return self._chunk([ChatStreamChoice(index=delta.index, delta=message, logprobs=lp,
-                                             finish_reason=delta.finish_reason)])  # type: ignore[arg-type]
+        sample = self._samples.get(delta.index)
+        if sample is None:
+            sample = self._samples[delta.index] = SampleParts(self.plan, self.reasoning)
+        parts = sample.push(delta.text, delta.finish_reason is not None)
+        messages = []
+        if parts.reasoning:
+            messages.append(DeltaMessage(reasoning_content=parts.reasoning,
+                                         reasoning=parts.reasoning))
+        if parts.content:
+            messages.append(DeltaMessage(content=parts.content))
+        messages += [DeltaMessage(tool_calls=[_call_delta(c)]) for c in parts.calls]
+        if not messages and (lp is not None or delta.finish_reason is not None):
+            messages.append(DeltaMessage())
+        reason = finish_reason(delta.finish_reason, sample.num_calls)
+        return "".join(
+            self._chunk([ChatStreamChoice(
+                index=delta.index, delta=m, logprobs=lp if k == 0 else None,
+                finish_reason=reason if k == len(messages) - 1 else None)])  # type: ignore[arg-type]
+            for k, m in enumerate(messages))
 
     def usage_chunk(self, usage: UsageInfo) -> str:
         """The usage chunk (empty ``choices``)."""
@@ -131,6 +171,15 @@ class ChatRenderer:
         if self.top is not None and o.logprobs is not None:
             decoder = SampleDecoder(self.state.tokenizer, final.prompt_token_ids)
             lp = chat_logprobs(decoder, o.token_ids, o.logprobs, self.top)
-        return ChatChoice(index=o.index, message=AssistantMessage(content=self.echo + o.text),
-                          logprobs=lp,
-                          finish_reason=o.finish_reason)  # type: ignore[arg-type]
+        message = whole_message(o.text, self.plan, self.reasoning, self.echo)
+        return ChatChoice(index=o.index, message=message, logprobs=lp,
+                          finish_reason=finish_reason(o.finish_reason,
+                                                      len(message.tool_calls or ())))  # type: ignore[arg-type]
+
+
+def _call_delta(c: CallDelta) -> DeltaToolCall:
+    """A streamed call's entry: the first carries id, type and name (arguments ``""``)."""
+    if c.id is not None:
+        return DeltaToolCall(index=c.index, id=c.id, type="function",
+                             function=DeltaFunctionCall(name=c.name, arguments=c.arguments))
+    return DeltaToolCall(index=c.index, function=DeltaFunctionCall(arguments=c.arguments))

@@ -6,6 +6,8 @@ from typing import Any
 
 from nybble.engine_args import parse_bytes, add_engine_args
 from nybble.server.config import API_KEY_ENV, DEFAULT_MAX_REQUEST_BODY_BYTES, ServerConfig
+from nybble.server.reasoning import REASONING_PARSERS
+from nybble.server.tool_parsers import TOOL_PARSERS
 
 _DEFAULTS = ServerConfig()
 
@@ -27,6 +29,29 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         help="uvicorn's log level (info logs every request)")
     parser.add_argument("--stats-interval", type=float, default=5.0,
                         help="seconds between stats lines in the log while busy")
+    chat = parser.add_argument_group(
+        "chat: templates, tool calling and reasoning (vLLM's flags; docs/serving.md, 'Tool "
+        "calling')")
+    chat.add_argument("--chat-template", default=None, metavar="FILE|TEXT",
+                      help="a jinja2 chat template (a file, or the template text) replacing "
+                           "the model folder's")
+    chat.add_argument("--enable-auto-tool-choice", action="store_true",
+                      help="serve tool_choice 'auto' (the default with tools): the model's "
+                           "output is parsed for calls by --tool-call-parser")
+    chat.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                      help="the tool-call format the model writes (hermes: Qwen and Hermes "
+                           "<tool_call>; llama3_json; mistral: [TOOL_CALLS]; pythonic: "
+                           "[f(a=1)])")
+    chat.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                      help="split <think>...</think> reasoning into reasoning_content "
+                           "(deepseek_r1: reasoning up to </think>; qwen3: only when the "
+                           "output opens with <think>)")
+    chat.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
+                      help="auto: the model folder's generation_config.json gives defaults "
+                           "for sampling fields a request omits (temperature, top_p, top_k, "
+                           "min_p, repetition_penalty, max_new_tokens); vllm: OpenAI's "
+                           "defaults only; or another folder's generation_config.json "
+                           "(default: auto)")
     limits = parser.add_argument_group(
         "request and connection limits",
         "what one client can make the server hold (see README, 'Limits')")

@@ -8,7 +8,7 @@ from fastapi.responses import Response
 
 from nybble.errors import InvalidRequestError
 from nybble.outputs import CompletionOutput, RequestOutput
-from nybble.runtime.input_processor import DEFAULT_NAMES
+from nybble.runtime.frontend.input_processor import DEFAULT_NAMES
 from nybble.sampling_params import SamplingParams
 from nybble.server.auth import require_api_key
 from nybble.server.logprobs import SampleDecoder, completion_logprobs
@@ -77,7 +77,8 @@ async def create_completion(req: CompletionRequest,
     state.check_model(req.model)
     # NOTE: echo with logprobs returns the prompt's logprobs too (OpenAI, vLLM)
     params = beam_params(req, sampling_params(req, req.max_tokens, req.logprobs,
-                                              req.logprobs if req.echo else None))
+                                              req.logprobs if req.echo else None,
+                                              state.sampling_defaults))
     renderer = CompletionRenderer(state, req, new_id("cmpl"))
     include_usage = req.stream_options is not None and req.stream_options.include_usage
     return await serve(request, state, renderer, params, DEFAULT_NAMES, t0, req.stream,

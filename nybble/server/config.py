@@ -40,6 +40,16 @@ class ServerConfig:
         limit_concurrency: uvicorn answers 503 (plain text) to new requests while this many
             connections are open or requests are in flight.
         api_threads: worker threads for tokenization, chat templates and logprob rendering.
+        enable_auto_tool_choice: ``tool_choice: "auto"`` is served (needs
+            ``tool_call_parser``).
+        tool_call_parser: how model output is read for tool calls (a name of
+            :data:`nybble.server.tool_parsers.TOOL_PARSERS`), or ``None``.
+        reasoning_parser: how ``<think>`` reasoning is split from the answer (a name of
+            :data:`nybble.server.reasoning.REASONING_PARSERS`), or ``None``.
+        chat_template: a jinja2 chat template replacing the model's (the text), or ``None``.
+        generation_config: ``auto``: the model folder's ``generation_config.json`` gives the
+            defaults of sampling fields a request leaves out (vLLM's default); ``vllm``:
+            OpenAI's defaults only; or a folder holding a ``generation_config.json``.
 
     Raises:
         ValueError: a value outside its range.
@@ -59,8 +69,25 @@ class ServerConfig:
     timeout_request_read_s: float = 30.0
     limit_concurrency: int = 4096
     api_threads: int = 4
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    chat_template: str | None = None
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
+        from nybble.server.reasoning import REASONING_PARSERS
+        from nybble.server.tool_parsers import TOOL_PARSERS
+
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {sorted(TOOL_PARSERS)}, got "
+                             f"{self.tool_call_parser!r}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser NAME (one of "
+                             f"{sorted(TOOL_PARSERS)})")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {sorted(REASONING_PARSERS)}, "
+                             f"got {self.reasoning_parser!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port!r}")
         if self.uvicorn_log_level not in _LOG_LEVELS:
@@ -95,4 +122,27 @@ class ServerConfig:
                    max_seqs_per_request=args.max_seqs_per_request,
                    timeout_keep_alive_s=args.timeout_keep_alive,
                    timeout_request_read_s=args.timeout_request_read,
-                   limit_concurrency=args.limit_concurrency, api_threads=args.api_threads)
+                   limit_concurrency=args.limit_concurrency, api_threads=args.api_threads,
+                   enable_auto_tool_choice=args.enable_auto_tool_choice,
+                   tool_call_parser=args.tool_call_parser,
+                   reasoning_parser=args.reasoning_parser,
+                   chat_template=load_chat_template(args.chat_template),
+                   generation_config=args.generation_config)
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """``--chat-template FILE|TEXT`` (vLLM's flag): a file's text, or the value itself when
+    it is a template (holds ``{{`` or ``{%``).
+
+    Raises:
+        ValueError: neither a readable file nor template text.
+    """
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template must be a template file or jinja2 template text, got "
+                     f"{value!r} (no such file, and no '{{{{' or '{{%' in it)")

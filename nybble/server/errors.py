@@ -31,12 +31,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from nybble.errors import InvalidRequestError, ModelNotFoundError, NybbleError
-from nybble.runtime.async_engine import (
+from nybble.errors import (
     EngineDeadError,
     EngineOverloadedError,
     EngineRequestError,
     EngineShutdownError,
+    InvalidRequestError,
+    ModelNotFoundError,
+    NybbleError,
 )
 from nybble.server.responses import ErrorInfo, ErrorResponse
 

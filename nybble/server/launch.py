@@ -16,7 +16,7 @@ Signals: the first SIGINT or SIGTERM stops accepting connections and ends every 
 flight at once (streams end with ``finish_reason: "abort"`` and ``[DONE]``, waiting callers get
 a 503 JSON error), then the core is stopped and the process exits 0; a second signal kills the
 core and exits at once. The core dies with this process in any case (see
-:mod:`nybble.runtime.core_process`).
+:mod:`nybble.runtime.engine.core_process`).
 """
 from __future__ import annotations
 
@@ -33,11 +33,11 @@ from typing import TYPE_CHECKING
 
 from nybble.config import EngineConfig, has_tokenizer_file
 from nybble.oslimits import raise_open_file_limit
-from nybble.runtime.core_spawn import spawn_core
+from nybble.runtime.frontend.core_spawn import spawn_core
 from nybble.server.config import ServerConfig
 
 if TYPE_CHECKING:
-    from nybble.runtime.core_client import CoreClient
+    from nybble.runtime.frontend.core_client import CoreClient
     from nybble.server.state import Startup
 
 logger = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     # NOTE: imported after the spawn (see the module's docstring)
     import asyncio
 
-    from nybble.runtime.core_client import CoreClient
+    from nybble.runtime.frontend.core_client import CoreClient
 
     try:
         client = CoreClient(core)
@@ -95,11 +95,12 @@ async def _serve(client: CoreClient, sock: socket.socket, engine_config: EngineC
 
     import uvicorn
 
-    from nybble.runtime.async_engine import AsyncEngine
-    from nybble.runtime.input_processor import InputProcessor
-    from nybble.runtime.tokenizer import Tokenizer
+    from nybble.runtime.frontend.async_engine import AsyncEngine
+    from nybble.runtime.frontend.input_processor import InputProcessor
+    from nybble.tokenizer.tokenizer import Tokenizer
     from nybble.server.app import attach_engine, build_app
     from nybble.server.connections import idle_timeout_protocol
+    from nybble.server.generation_defaults import generation_defaults
     from nybble.server.metrics import ServerMetrics
     from nybble.server.state import ServerState
 
@@ -134,6 +135,8 @@ async def _serve(client: CoreClient, sock: socket.socket, engine_config: EngineC
         raise
     if tokenizer is None:  # NOTE: converted by transformers in the core
         tokenizer = Tokenizer.from_folder(folder, ready.tokenizer_json)
+    if server_config.chat_template is not None:   # NOTE: --chat-template
+        tokenizer.chat_template = server_config.chat_template
     logger.info("engine ready in %.2f s (engine core pid %d, %d torch threads)",
                 time.monotonic() - t0, ready.pid, ready.threads)
     engine = AsyncEngine(client, tokenizer, observer=metrics.observe,
@@ -146,7 +149,8 @@ async def _serve(client: CoreClient, sock: socket.socket, engine_config: EngineC
         model_path=os.path.basename(os.path.normpath(mc.model)), tokenizer=tokenizer,
         max_model_len=ready.limits.max_model_len, metrics=metrics,
         executor=ThreadPoolExecutor(server_config.api_threads, thread_name_prefix="nybble-api"),
-        max_token_chars=tokenizer.max_token_chars))
+        max_token_chars=tokenizer.max_token_chars,
+        sampling_defaults=generation_defaults(server_config.generation_config, mc.model)))
     await serving
 
 

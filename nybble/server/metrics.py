@@ -19,7 +19,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from nybble.outputs import RequestOutput
-from nybble.runtime.async_engine import StepRecord
+from nybble.runtime.frontend.async_engine import StepRecord
 from nybble.runtime.messages import SpecDecodeStats
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py)
@@ -34,7 +34,8 @@ _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
 class ServerMetrics:
     """The server's metrics in their own registry (several apps can live in one process).
 
-    Use :meth:`observe` as the :class:`AsyncEngine` step observer (engine thread) and
+    Use :meth:`observe` as the :class:`AsyncEngine` step observer (on the event loop, as
+    each step's outputs arrive from the engine-core process) and
     :meth:`render` for ``GET /metrics``.
     """
 
@@ -81,7 +82,8 @@ class ServerMetrics:
         self._spec: _SpecDecodeMetrics | None = None
 
     def observe(self, record: StepRecord) -> None:
-        """Update every metric from one engine step (called on the engine thread)."""
+        """Update every metric from one engine step (called on the event loop, per step output
+        message of the engine-core process)."""
         first = set(record.first_token_ids)
         for out in record.outputs:
             if out.request_id in first:

@@ -2,12 +2,16 @@
 
 Requests carry types and shapes only: every value range (temperature, ``max_tokens`` against
 the context, ``logprobs``, ``seed``, token ids...) is checked once, by the engine's request
-gate (:mod:`nybble.runtime.input_processor`; ``InvalidRequestError`` -> 400). Unknown request
+gate (:mod:`nybble.runtime.frontend.input_processor`; ``InvalidRequestError`` -> 400). Unknown
+request
 fields are ignored, as OpenAI clients send fields nybble does not use (``user``,
 ``metadata``, ...); the fields nybble does not implement (``suffix``, ``tools``, ``best_of``
 other than ``n`` or ``echo`` with ``logprobs`` when streaming, content parts other than
 ``text``) are declared, and the validators below refuse a non-neutral value with a 400 naming
 the field instead of silently ignoring it: this is the one place such refusals live.
+Tool calling (chat ``tools``, ``tool_choice``, ``parallel_tool_calls``) is declared here
+with its shapes; what the tools and the tool choice must be is checked by
+:mod:`nybble.server.tool_choice`.
 
 Every model here derives from :class:`RequestModel` (``request_base.py``): strict types,
 ``null`` = omitted, nullable optional fields in the schema, valid Unicode only.
@@ -74,7 +78,6 @@ class _SamplingFields(RequestBody):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     # Not implemented: only their neutral values are accepted (the validators below).
-    tools: list[dict[str, Any]] | None = None
     suffix: str | None = None
 
     @field_validator("stream_options")
@@ -94,7 +97,7 @@ class _SamplingFields(RequestBody):
                              f"{len(value)}")
         return value
 
-    @field_validator("tools", "suffix")
+    @field_validator("suffix")
     @classmethod
     def _empty(cls, value: Any, info: ValidationInfo) -> Any:
         if value:
@@ -168,6 +171,15 @@ class CompletionRequest(_SamplingFields):
     use_beam_search: bool = False
     length_penalty: float | None = None
     early_stopping: bool | Literal["never"] | None = None
+    tools: list[dict[str, Any]] | None = None   # chat only: refused here (below)
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        if value:
+            raise ValueError(f"tools is only supported by /v1/chat/completions: it must be "
+                             f"empty or absent here, got {len(value)} entries")
+        return value
 
     @field_validator("prompt")
     @classmethod
@@ -193,12 +205,44 @@ class ContentPart(RequestModel):
     text: str   # required, as in OpenAI's text part: a part without it is a 400
 
 
+class FunctionCallIn(RequestModel):
+    """``function`` of an assistant message's tool call: ``arguments`` is JSON text."""
+
+    name: str
+    arguments: str
+
+
+class ToolCallIn(RequestModel):
+    """One tool call of an assistant message in the history (OpenAI's shape)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(RequestModel):
-    """One chat message (``role`` and string or text-part ``content``)."""
+    """One chat message (``role`` and string or text-part ``content``).
+
+    An assistant message may carry ``tool_calls`` (its ``content`` then may be ``null``); a
+    ``tool`` message answers one of them by ``tool_call_id``.
+    """
 
     role: Literal["system", "user", "assistant", "tool", "developer", "function"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as the chat template's input (OpenAI's dict shape; text parts
+        joined; :func:`nybble.tokenizer.chat_messages.template_messages` converts it)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        for key in ("name", "tool_call_id"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        return out
 
     @model_validator(mode="before")
     @classmethod
@@ -235,6 +279,7 @@ class ChatOptions(RequestBody):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Any] | None = None   # checked by nybble.server.tool_choice
 
     @model_validator(mode="after")
     def _one_way_to_end(self) -> Any:
@@ -254,6 +299,11 @@ class ChatCompletionRequest(_SamplingFields, ChatOptions):
     ``add_generation_prompt``), ``chat_template`` (a jinja2 template replacing the model's),
     ``chat_template_kwargs`` (extra template variables) and ``echo`` (the final message, when
     it is the assistant's, leads each choice's content).
+
+    Tool calling (OpenAI's): ``tools`` (function schemas, given to the chat template),
+    ``tool_choice`` (``none``, ``auto``, ``required`` or ``{"type": "function", "function":
+    {"name": ...}}``; default ``auto`` with tools, else ``none``) and ``parallel_tool_calls``
+    (``required`` may make several calls; default true). See :mod:`nybble.server.tool_choice`.
     """
 
     messages: list[ChatMessage]
@@ -262,6 +312,8 @@ class ChatCompletionRequest(_SamplingFields, ChatOptions):
     logprobs: bool = False
     top_logprobs: int | None = None
     echo: bool = False
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
 
     @field_validator("messages")
     @classmethod

@@ -68,11 +68,45 @@ class ChatLogProbs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+def _without_none(data: dict[str, Any], keep: tuple[str, ...] = ()) -> dict[str, Any]:
+    """``data`` without its ``None`` values, except the keys in ``keep`` (OpenAI omits absent
+    fields instead of sending null)."""
+    return {k: v for k, v in data.items() if v is not None or k in keep}
+
+
+class FunctionCall(BaseModel):
+    """``function`` of a tool call: ``arguments`` is the JSON text the model wrote."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    """One tool call of an assistant message (``id`` like ``call_...``)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+FinishReason = Literal["stop", "length", "abort", "tool_calls"]
+
+
 class AssistantMessage(BaseModel):
-    """The generated message of a chat choice."""
+    """The generated message of a chat choice: ``content`` (``null`` when the answer is
+    only tool calls), ``tool_calls`` when the model called tools, and ``reasoning_content``
+    (with ``reasoning``, vLLM's newer name) with ``--reasoning-parser``; the last two are
+    left out when absent."""
 
     role: str = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without_none(handler(self), keep=("content",))
 
 
 class ChatChoice(BaseModel):
@@ -81,7 +115,7 @@ class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChatLogProbs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = None
+    finish_reason: FinishReason | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -95,16 +129,45 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
+class DeltaFunctionCall(BaseModel):
+    """``function`` of a streamed tool call: ``name`` in the call's first delta, then
+    ``arguments`` fragments."""
+
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without_none(handler(self))
+
+
+class DeltaToolCall(BaseModel):
+    """One ``delta.tool_calls`` entry (OpenAI's stream shape): ``index`` always; ``id``,
+    ``type`` and the name only in the call's first one."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without_none(handler(self))
+
+
 class DeltaMessage(BaseModel):
     """Incremental message of a chat stream chunk (role only in a choice's first chunk)."""
 
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         # NOTE: OpenAI omits absent delta fields instead of sending null
-        return {k: v for k, v in handler(self).items() if v is not None}
+        return _without_none(handler(self))
 
 
 class ChatStreamChoice(BaseModel):
@@ -113,7 +176,7 @@ class ChatStreamChoice(BaseModel):
     index: int
     delta: DeltaMessage
     logprobs: ChatLogProbs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = None
+    finish_reason: FinishReason | None = None
 
 
 class ChatCompletionChunk(BaseModel):

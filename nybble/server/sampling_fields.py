@@ -3,7 +3,7 @@
 ``guided_json`` / ``guided_regex`` / ``guided_choice`` extras.
 
 Only shapes are converted here; the request gate checks every value
-(:mod:`nybble.runtime.shaping_checks`).
+(:mod:`nybble.runtime.frontend.shaping_checks`).
 """
 from __future__ import annotations
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable
-from typing import Protocol
+from collections.abc import AsyncIterator, Iterable, Mapping
+from typing import Any, Protocol
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -23,14 +23,16 @@ from starlette.types import Receive, Scope, Send
 
 from nybble.errors import InvalidRequestError
 from nybble.outputs import RequestOutput
-from nybble.runtime.async_engine import RequestStream
-from nybble.runtime.input_processor import ParamNames
+from nybble.runtime.frontend.async_engine import RequestStream
+from nybble.runtime.frontend.input_processor import ParamNames
+from nybble.tokenizer.chat_messages import template_messages
 from nybble.runtime.messages import EngineCoreRequest
 from nybble.sampling_params import SamplingParams
 from nybble.server.protocol import ChatMessage, ChatOptions, _SamplingFields
 from nybble.server.responses import UsageInfo
 from nybble.server.sampling_fields import guided_decoding, logit_bias
 from nybble.server.state import ServerState, run_blocking
+from nybble.server.tool_choice import check_tools
 from nybble.server.streams import (
     CLIENT_CLOSED,
     SSE_DONE,
@@ -54,8 +56,10 @@ def arrival() -> float:
 
 
 def sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: int | None,
-                    prompt_logprobs: int | None = None) -> SamplingParams:
-    """The request's fields as :class:`SamplingParams` (OpenAI defaults for ``None``).
+                    prompt_logprobs: int | None = None,
+                    defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+    """The request's fields as :class:`SamplingParams`: for ``None``, ``defaults`` (the
+    model's generation config, ``--generation-config``), else OpenAI's defaults.
 
     No value is checked here: the engine's request gate checks every range.
 
@@ -63,24 +67,25 @@ def sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: int 
         InvalidRequestError: a ``logit_bias`` key that is not a token id, or more than one
             structured-output constraint.
     """
+    d = defaults or {}
     return SamplingParams(
-        n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=-1 if req.top_k is None else req.top_k,
-        min_p=0.0 if req.min_p is None else req.min_p, seed=req.seed, max_tokens=max_tokens,
+        n=req.n, temperature=_or(req.temperature, d.get("temperature", 1.0)),
+        top_p=_or(req.top_p, d.get("top_p", 1.0)), top_k=_or(req.top_k, d.get("top_k", -1)),
+        min_p=_or(req.min_p, d.get("min_p", 0.0)), seed=req.seed,
+        max_tokens=_or(max_tokens, d.get("max_tokens")),
         stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
         logprobs=logprobs, prompt_logprobs=prompt_logprobs, best_of=req.best_of,
         skip_special_tokens=req.skip_special_tokens,
         spaces_between_special_tokens=req.spaces_between_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
         logit_bias=logit_bias(req), min_tokens=req.min_tokens,
-        repetition_penalty=_or(req.repetition_penalty, 1.0),
+        repetition_penalty=_or(req.repetition_penalty, d.get("repetition_penalty", 1.0)),
         presence_penalty=_or(req.presence_penalty, 0.0),
         frequency_penalty=_or(req.frequency_penalty, 0.0), bad_words=req.bad_words,
         allowed_token_ids=req.allowed_token_ids, guided_decoding=guided_decoding(req))
 
 
-def _or(value: float | None, default: float) -> float:
+def _or(value: Any, default: Any) -> Any:
     return default if value is None else value
 
 
@@ -103,7 +108,9 @@ def render_chat(state: ServerState, req: ChatOptions,
                 messages: list[ChatMessage]) -> list[int]:
     """Token ids of ``messages`` rendered with the chat template (the model's, or
     ``req.chat_template``) and ``req``'s options (``add_generation_prompt``,
-    ``continue_final_message``, ``chat_template_kwargs``); blocking: call it on a worker
+    ``continue_final_message``, ``chat_template_kwargs``, ``tools``: the messages' tool calls
+    and the tools as transformers gives them to templates,
+    :func:`nybble.tokenizer.chat_messages.template_messages`); blocking: call it on a worker
     thread, :func:`run_blocking`.
 
     The template already emits BOS, so the rendered text is tokenized without adding special
@@ -113,12 +120,12 @@ def render_chat(state: ServerState, req: ChatOptions,
         InvalidRequestError: the conversation is too long, there is no chat template, or the
             template refused the conversation.
     """
-    conversation = [{"role": m.role, "content": m.text()} for m in messages]
+    conversation = template_messages([m.template_dict() for m in messages])
     check_prompt_chars(state, "".join(m["content"] for m in conversation), "messages")
     text = state.tokenizer.apply_chat_template(
         conversation, add_generation_prompt=req.add_generation_prompt,
         continue_final_message=req.continue_final_message, chat_template=req.chat_template,
-        template_kwargs=req.chat_template_kwargs)
+        template_kwargs=req.chat_template_kwargs, tools=check_tools(req.tools))
     check_prompt_chars(state, text, "messages")
     return state.tokenizer.encode(text, add_special_tokens=False)
 
@@ -276,9 +283,11 @@ async def _events(state: ServerState, renderer: Renderer, streams: list[RequestS
             if not deltas:
                 continue
             if renderer.logprobs:
-                yield await run_blocking(state, _render, renderer, i, deltas)
+                events = await run_blocking(state, _render, renderer, i, deltas)
             else:
-                yield _render(renderer, i, deltas)
+                events = _render(renderer, i, deltas)
+            if events:   # NOTE: empty while a parser holds text back (possible markup)
+                yield events
         if include_usage:
             yield renderer.usage_chunk(tracker.usage())
         yield SSE_DONE

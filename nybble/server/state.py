@@ -11,18 +11,17 @@ import asyncio
 import functools
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import Request
 
-from nybble.errors import ModelNotFoundError
-from nybble.runtime.async_engine import EngineDeadError
+from nybble.errors import EngineDeadError, ModelNotFoundError
 
 if TYPE_CHECKING:
-    from nybble.runtime.async_engine import AsyncEngine
-    from nybble.runtime.input_processor import InputProcessor
-    from nybble.runtime.tokenizer import Tokenizer
+    from nybble.runtime.frontend.async_engine import AsyncEngine
+    from nybble.runtime.frontend.input_processor import InputProcessor
+    from nybble.tokenizer.tokenizer import Tokenizer
     from nybble.server.config import ServerConfig
     from nybble.server.metrics import ServerMetrics
 
@@ -50,6 +49,9 @@ class ServerState:
         executor: the worker threads for blocking work (tokenization, chat templates,
             logprob rendering), so the event loop stays free.
         max_token_chars: the longest token of the vocabulary (characters).
+        sampling_defaults: defaults of sampling fields a request leaves out, from the
+            model's ``generation_config.json`` (``--generation-config``; e.g.
+            ``{"temperature": 0.6}``).
     """
 
     engine: AsyncEngine
@@ -62,6 +64,7 @@ class ServerState:
     metrics: ServerMetrics
     executor: ThreadPoolExecutor
     max_token_chars: int
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
     @property
     def max_prompt_chars(self) -> int:

@@ -18,7 +18,7 @@ from fastapi import Request
 from pydantic import BaseModel
 
 from nybble.outputs import RequestOutput
-from nybble.runtime.async_engine import RequestStream
+from nybble.runtime.frontend.async_engine import RequestStream
 from nybble.server.errors import error_payload
 from nybble.server.logprobs import CONTEXT_TOKENS, SampleDecoder
 from nybble.server.responses import UsageInfo

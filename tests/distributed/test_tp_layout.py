@@ -15,8 +15,8 @@ from nybble.models.shape import ModelShape
 from nybble.models.tp_layout import ShardSlice, TPLayout
 from nybble.models.tp_shard import read_shard, read_vocab_rows
 from nybble.quant.linear import GPTQLinear
-from nybble.runtime.batch import ScheduledBatch
-from nybble.runtime.tp_step import pack_step, unpack_step
+from nybble.runtime.scheduler.batch import ScheduledBatch
+from nybble.runtime.executor.step_payload import pack_step, unpack_step
 
 
 def _shape(heads: int = 8, kv: int = 4, vocab: int = 10) -> ModelShape:

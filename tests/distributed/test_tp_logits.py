@@ -13,15 +13,15 @@ from nybble.models.scoring import prefill_logits
 from tests.conftest import shared_path
 from tests.distributed.tp_ranks import tiny_model, tp_prefill_logits
 
-# NOTE: 21 tokens in one prefill call: over cpu_weight_only.MAX_ROWS, so the quantized
-# layers take the exact reference dequantization (the decode kernels round to bfloat16)
+# NOTE: the exact CPU path on both sides (cpu_activation_dtype="float32"): the fast path
+# rounds matmul inputs to bfloat16, and shards' partial sums can flip a rounding
 SEQS = [[1, 45, 300, 22, 7, 99, 410, 3, 17, 250, 64, 12, 480, 33, 5, 271], [1, 500, 2, 8, 130]]
 
 
 def _one_rank(model: str) -> list[torch.Tensor]:
     cpu = torch.device("cpu")
-    return prefill_logits(load_model(ModelConfig(model=model), get_attention_backend("torch", cpu),
-                                     cpu), SEQS)
+    return prefill_logits(load_model(ModelConfig(model=model, cpu_activation_dtype="float32"),
+                                     get_attention_backend("torch", cpu), cpu), SEQS)
 
 
 def _check(model: str, tmp: str, atol: float) -> None:

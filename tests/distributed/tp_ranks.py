@@ -28,8 +28,8 @@ def run_rank(model: str, rank: int, world: int, init_method: str, out: str,
 
     torch.set_num_threads(1)
     tp = init_tp_group(rank, world, init_method, torch.device("cpu"), timeout_s=60)
-    loaded = load_model(ModelConfig(model=model), get_attention_backend("torch",
-                                                                        tp.device), tp.device, tp)
+    loaded = load_model(ModelConfig(model=model, cpu_activation_dtype="float32"),
+                        get_attention_backend("torch", tp.device), tp.device, tp)
     if rank != 0:   # a worker's share of compute_logits: rank 0's LOGITS command
         def worker_logits(hidden: torch.Tensor) -> torch.Tensor:
             cmd = channel.receive(tp, lambda: True)
@@ -46,7 +46,7 @@ def run_rank(model: str, rank: int, world: int, init_method: str, out: str,
 def tp_prefill_logits(model: str, sequences: list[list[int]], world: int,
                       tmp: str) -> list[torch.Tensor]:
     """``prefill_logits`` of ``model`` split over ``world`` gloo ranks (subprocesses)."""
-    from nybble.runtime.tp_executor import free_port
+    from nybble.runtime.executor.tp_executor import free_port
 
     init = f"tcp://127.0.0.1:{free_port()}"
     out = os.path.join(tmp, "logits.pt")

@@ -1,7 +1,7 @@
 """Kernel tests run Triton natively on CUDA, else on CPU through the Triton interpreter.
 
 ``TRITON_INTERPRET`` is read when triton is first imported, so it is set here, before any test
-module imports a ``nybble.kernels.triton_*`` module.
+module imports a ``nybble.kernels.triton.*`` module.
 """
 from __future__ import annotations
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from nybble.kernels.kv_quant import QMAX, quantize_kv
-from nybble.kernels.reference_attention import TorchAttentionBackend, reshape_and_cache
-from tests.kernels.test_triton_attention import make_batch, oracle, rel_err
+from nybble.kernels.reference.attention import TorchAttentionBackend, reshape_and_cache
+from tests.kernels.triton.test_attention import make_batch, oracle, rel_err
 
 QDTYPES = [torch.int8, torch.float8_e4m3fn]
 
@@ -129,7 +129,7 @@ def test_reference_needs_scales_for_a_quantized_cache():
 def test_cpu_decode_kernel_reads_through_the_scales(qdtype, block_size, hq, hkv, d):
     """The Cython decode kernel on a quantized cache (its bytes, a byte table, per-head
     scales) against the float64 oracle on the cache it represents."""
-    from nybble.kernels.cpu_backend import CpuAttentionBackend, cpu_kernel_available
+    from nybble.kernels.cpu.backend import CpuAttentionBackend, cpu_kernel_available
 
     if not cpu_kernel_available():
         pytest.skip("the CPU kernel extension is not built")
@@ -146,11 +146,11 @@ def test_cpu_decode_kernel_reads_through_the_scales(qdtype, block_size, hq, hkv,
 
 
 def test_cpu_decode_kernel_checks_its_byte_arguments():
-    from nybble.kernels.cpu_backend import cpu_kernel_available
+    from nybble.kernels.cpu.backend import cpu_kernel_available
 
     if not cpu_kernel_available():
         pytest.skip("the CPU kernel extension is not built")
-    from nybble.kernels.cpu_attention import paged_decode_attention
+    from nybble.kernels.cpu.attention import paged_decode_attention
 
     cache = np.zeros((2, 2, 16, 2, 8), np.uint8)
     args = (np.zeros((1, 2, 8), np.float32), cache, np.zeros((1, 2), np.int32),
@@ -172,7 +172,7 @@ def test_cpu_decode_kernel_checks_its_byte_arguments():
 @pytest.mark.parametrize("qdtype", QDTYPES)
 @pytest.mark.parametrize("key_dtype", [torch.float32, torch.float16])
 def test_triton_write_equals_the_reference(qdtype, key_dtype, device):
-    from nybble.kernels.triton_cache import reshape_and_cache as triton_write
+    from nybble.kernels.triton.cache import reshape_and_cache as triton_write
 
     nb, bs, hkv, d = 4, 16, 3, 8
     kv_scale = torch.tensor([[0.02, 0.1, 0.5], [0.05, 0.01, 0.3]], device=device)
@@ -189,7 +189,7 @@ def test_triton_write_equals_the_reference(qdtype, key_dtype, device):
 
 @pytest.mark.triton_interpret
 def test_triton_write_needs_scales(device):
-    from nybble.kernels.triton_cache import reshape_and_cache as triton_write
+    from nybble.kernels.triton.cache import reshape_and_cache as triton_write
 
     cache = torch.zeros(2, 1, 16, 2, 8, dtype=torch.int8, device=device)
     kv = torch.ones(1, 2, 8, device=device)
@@ -211,7 +211,7 @@ TRITON_CASES = [
 @pytest.mark.parametrize("block_size,hq,hkv,d,qdt,seqs", TRITON_CASES)
 def test_triton_attention_reads_through_the_scales(qdtype, block_size, hq, hkv, d, qdt, seqs,
                                                    device):
-    from nybble.kernels.triton_backend import TritonAttentionBackend
+    from nybble.kernels.triton.backend import TritonAttentionBackend
 
     query, cache, kv_scale, meta = quantized_batch(seqs, block_size, hq, hkv, d, qdtype,
                                                    device, qdt)

@@ -12,7 +12,7 @@ from nybble.kernels.packing import (
     unpack_cols,
     unpack_rows,
 )
-from nybble.kernels.reference_quant import dequantize_awq, dequantize_gptq
+from nybble.kernels.reference.quant import dequantize_awq, dequantize_gptq
 
 
 def _i32(word: int) -> int:

@@ -1,4 +1,4 @@
-"""The fused CPU decode step (nybble.models.cpu_fused, nybble.kernels.cpu_decoder) against the
+"""The fused CPU decode step (nybble.models.cpu_fused, nybble.kernels.cpu.decoder) against the
 model's torch path: the same final hidden states and the same KV-cache writes for a decode step
 of sequences with different lengths and blocks, on every tiny variant (GQA, llama3 RoPE, q/k/v
 bias, Qwen2); bad indices raise before anything is written; models it cannot take say why.
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from nybble.config import ModelConfig
-from nybble.kernels.cpu_backend import CpuAttentionBackend
+from nybble.kernels.cpu.backend import CpuAttentionBackend
 from nybble.kernels.interface import AttentionMetadata
 from nybble.models.cpu_fused import FusedCpuDecode
 from nybble.models.loader import load_model

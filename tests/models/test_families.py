@@ -10,10 +10,10 @@ from transformers import AutoModelForCausalLM
 
 from nybble import SamplingParams
 from nybble.config import ModelConfig
-from nybble.kernels.reference_attention import TorchAttentionBackend
+from nybble.kernels.reference.attention import TorchAttentionBackend
 from nybble.models.loader import load_model
 from nybble.models.scoring import prefill_logits
-from nybble.runtime.engine import LLMEngine
+from nybble.runtime.llm_engine import LLMEngine
 from tests.runtime.engine_helpers import assert_idle_and_clean, run_requests
 
 from .hf_families import FAMILIES, WINDOW, make_family_model

@@ -6,7 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from nybble.config import DEFAULT_MODEL, ModelConfig
-from nybble.kernels.reference_attention import TorchAttentionBackend
+from nybble.kernels.reference.attention import TorchAttentionBackend
 from nybble.models.loader import load_model
 from nybble.models.scoring import prefill_logits
 

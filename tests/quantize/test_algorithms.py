@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from nybble.kernels import cpu_weight_only
-from nybble.kernels.reference_quant import dequantize_gptq
+from nybble.kernels.cpu import weight_only as cpu_weight_only
+from nybble.kernels.reference.quant import dequantize_gptq
 from nybble.quant.linear import GPTQLinear
 from nybble.quantize import awq
 from nybble.quantize.export import pack_gptq

@@ -128,12 +128,12 @@ def test_generate_logs_the_report_line_at_start_up(quantized: tuple[str, dict],
     from nybble.cli import main
 
     out, _ = quantized
-    with caplog.at_level(logging.INFO, logger="nybble.runtime.engine_core"):
+    with caplog.at_level(logging.INFO, logger="nybble.runtime.engine.engine_core"):
         assert main(["generate", "--model", out, "Once", "--max-tokens", "2"]) == 0
     lines = [r.getMessage() for r in caplog.records if "quantization report" in r.getMessage()]
     assert lines == [f"quantization report: {summarize_report(out)}"]
     assert "held-out perplexity" in lines[0] and "gptq 4-bit g32" in lines[0]
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="nybble.runtime.engine_core"):
+    with caplog.at_level(logging.INFO, logger="nybble.runtime.engine.engine_core"):
         assert main(["generate", "Once", "--max-tokens", "2"]) == 0
     assert "quantization report" not in caplog.text

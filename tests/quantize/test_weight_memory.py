@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from nybble.config import ModelConfig
-from nybble.kernels.reference_attention import TorchAttentionBackend
+from nybble.kernels.reference.attention import TorchAttentionBackend
 from nybble.models.loader import load_model
 from nybble.quantize.driver import QuantizeOptions, quantize_model
 from tests.conftest import shared_path

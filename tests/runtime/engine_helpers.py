@@ -9,7 +9,7 @@ import numpy as np
 
 from nybble.config import DEFAULT_MODEL
 from nybble.outputs import RequestOutput
-from nybble.runtime.engine import LLMEngine
+from nybble.runtime.llm_engine import LLMEngine
 from nybble.sampling_params import SamplingParams
 
 

@@ -11,10 +11,10 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
-from nybble.runtime.scheduler import Scheduler
+from nybble.runtime.scheduler.scheduler import Scheduler
 
-from nybble.runtime.batch import ScheduledBatch
-from nybble.runtime.reference_scheduler import ReferenceScheduler
+from nybble.runtime.scheduler.batch import ScheduledBatch
+from nybble.runtime.scheduler.reference_scheduler import ReferenceScheduler
 
 IMPLS = {"cython": Scheduler, "reference": ReferenceScheduler}
 

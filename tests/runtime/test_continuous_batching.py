@@ -6,7 +6,7 @@ import random
 import pytest
 
 from nybble import SamplingParams
-from nybble.runtime.engine import LLMEngine
+from nybble.runtime.llm_engine import LLMEngine
 from tests.runtime.engine_helpers import assert_idle_and_clean, make_engine
 
 

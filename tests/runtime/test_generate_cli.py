@@ -23,3 +23,22 @@ def test_missing_model_folder_is_one_clear_line(capsys) -> None:
     err = capsys.readouterr().err
     assert "'/nonexistent/model', which does not exist" in err
     assert "Traceback" not in err
+
+
+def test_a_model_folder_as_the_first_prompt_points_at_model(capsys) -> None:
+    from nybble.config import DEFAULT_MODEL
+    assert main(["generate", DEFAULT_MODEL, "Once upon a time"]) == 2
+    err = capsys.readouterr().err
+    assert f"the first PROMPT {DEFAULT_MODEL!r} is a model folder; pass it as --model" in err
+
+
+def test_generate_chat_applies_the_chat_template(capsys) -> None:
+    assert main(["generate", "--chat", "Tom found a red ball.", "--max-tokens", "12"]) == 0
+    printed = capsys.readouterr().out.strip()
+    llm = LLM()
+    tok = llm.get_tokenizer()
+    text = tok.apply_chat_template([{"role": "user", "content": "Tom found a red ball."}])
+    ids = tok.encode(text, add_special_tokens=False)
+    want = llm.generate([ids], SamplingParams(temperature=0, max_tokens=12),
+                        use_tqdm=False)[0].outputs[0].text
+    assert want and printed == want.strip()

@@ -139,10 +139,10 @@ def test_stats_log_line_reports_the_interval_acceptance(caplog) -> None:
     import logging
     from types import SimpleNamespace
 
-    from nybble.runtime.async_engine import AsyncEngine
+    from nybble.runtime.frontend.async_engine import AsyncEngine
     from nybble.runtime.messages import SpecDecodeStats
     host = SimpleNamespace(_spec_seen=SpecDecodeStats(2, 6, 3, [2, 1, 0]))
-    with caplog.at_level(logging.INFO, logger="nybble.runtime.async_engine"):
+    with caplog.at_level(logging.INFO, logger="nybble.runtime.frontend.async_engine"):
         AsyncEngine._log_spec_decode(host, SpecDecodeStats(6, 18, 12, [6, 4, 2]))
     # the interval: 4 drafts, 12 drafted, 9 accepted -> 75%, 1 + 9 / 4 tokens per draft
     assert ("speculative decoding: acceptance rate 75.0%, mean acceptance length 3.25 tokens, "
@@ -153,7 +153,7 @@ def test_a_failed_speculative_step_rolls_back_cleanly(monkeypatch: pytest.Monkey
     """A verification that raises fails only its batch's requests; blocks, sampling rows
     and the draft's bookkeeping are all released, and the engine goes on."""
     from nybble.errors import EngineStepError
-    from nybble.runtime import model_runner
+    from nybble.runtime.worker import model_runner
     from tests.runtime.engine_helpers import assert_idle_and_clean, make_engine
 
     engine = make_engine(max_num_seqs=2, num_gpu_blocks=64,

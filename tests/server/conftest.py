@@ -185,7 +185,7 @@ def core_pid(api_pid: int, timeout_s: float = 30.0) -> int:
     while True:
         (pid,) = children(api_pid)
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            if b"nybble.runtime.core_process" in f.read():
+            if b"nybble.runtime.engine.core_process" in f.read():
                 return pid
         assert time.monotonic() < deadline, f"child {pid} of {api_pid} is not an engine core"
         time.sleep(0.02)

@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from nybble.config import DEFAULT_MODEL
-from nybble.runtime.tokenizer import Tokenizer
+from nybble.tokenizer.tokenizer import Tokenizer
 from tests.server.conftest import Server
 
 pytestmark = [pytest.mark.server]

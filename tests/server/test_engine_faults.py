@@ -1,5 +1,5 @@
 """Fault injection into the engine-core process of a real ``nybble serve``
-(``NYBBLE_TEST_FAULTS``, see :mod:`nybble.runtime.fault_injection`): a model forward that
+(``NYBBLE_TEST_FAULTS``, see :mod:`nybble.runtime.engine.fault_injection`): a model forward that
 raises, an admission that fails late and a sampler that raises mid-stream each fail only
 their request (500 ``internal_error``, or an error event that ends the stream); the server
 stays healthy, frees every block and answers the next request with the same greedy text as

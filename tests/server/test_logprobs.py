@@ -9,7 +9,7 @@ import pytest
 from tokenizers.pre_tokenizers import ByteLevel
 
 from nybble.config import DEFAULT_MODEL
-from nybble.runtime.tokenizer import Tokenizer, _byte_level_chars
+from nybble.tokenizer.tokenizer import Tokenizer, _byte_level_chars
 from nybble.server.logprobs import SampleDecoder, chat_logprobs, completion_logprobs
 from tests.conftest import SHARED
 

@@ -63,7 +63,7 @@ def test_counters_match_usage_after_n_requests(server: Server, client: openai.Op
 def test_speculative_decoding_counters_follow_the_engine() -> None:
     """vLLM's spec_decode counters appear once the engine reports them, and grow by what the
     cumulative stats gained."""
-    from nybble.runtime.async_engine import StepRecord
+    from nybble.runtime.frontend.async_engine import StepRecord
     from nybble.runtime.messages import EngineStats, SpecDecodeStats
     from nybble.server.metrics import ServerMetrics
 

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from nybble.runtime.core_spawn import OWNER_FILE, sweep_stale_folders
+from nybble.runtime.frontend.core_spawn import OWNER_FILE, sweep_stale_folders
 
 from tests.server.conftest import (
     Server,

@@ -1,6 +1,6 @@
 """Logit shaping and structured output over HTTP, on both endpoints: the server's tokens equal
 the offline engine's for the same parameters (checked against the formulas in
-tests/runtime/test_logit_shaping_engine.py), JSON outputs validate against their schema
+tests/runtime/sample/test_logit_shaping_engine.py), JSON outputs validate against their schema
 (``jsonschema``), streamed or not, and bad values are 400s naming the parameter."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 
 from nybble import LLM, SamplingParams
 from nybble.config import DEFAULT_MODEL
-from tests.runtime.test_structured_output import PERSON, closing_bias
+from tests.runtime.sample.test_structured_output import PERSON, closing_bias
 from tests.server.conftest import Server, core_pid
 from tests.server.test_process import _maps
 

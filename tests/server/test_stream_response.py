@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from types import SimpleNamespace
 from typing import Any
 
-from nybble.runtime.async_engine import RequestStream
+from nybble.runtime.frontend.async_engine import RequestStream
 from nybble.server.serving import EngineStreamingResponse
 
 

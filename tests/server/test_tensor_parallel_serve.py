@@ -37,7 +37,7 @@ def test_tp2_server_answers_and_a_dead_worker_turns_it_unhealthy(tmp_path: Path)
         assert _text(url) == expected
         (worker,) = children(core_pid(proc.pid))
         with open(f"/proc/{worker}/cmdline", "rb") as f:
-            assert b"nybble.runtime.tp_worker" in f.read()
+            assert b"nybble.runtime.executor.tp_worker" in f.read()
         os.kill(worker, signal.SIGKILL)
         deadline = time.monotonic() + 15
         while httpx.get(f"{url}/health", timeout=5).status_code != 503:

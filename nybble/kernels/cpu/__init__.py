@@ -1,0 +1,1 @@
+"""CPU kernels (Cython + C): decode attention, weight-only GEMM, fused decode step."""

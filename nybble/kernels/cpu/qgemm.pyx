@@ -1,0 +1,52 @@
+# cython: language_level=3
+"""Quantized GEMM on the CPU with bfloat16 dot products (the C code and its packed layout:
+``qgemm.h``; the packing: :mod:`nybble.kernels.cpu.qgemm_pack`).
+
+``out [M, N] (+)= x [M, K] @ W^T (+ bias)``, ``x`` rounded to bfloat16, sums in float32, the
+packed 4/8-bit weight streamed once per call; any ``M`` (decode batches and prefill).
+Torch-free: callers pass numpy arrays. The GIL is released while the kernel runs.
+"""
+include "qgemm_struct.pxi"
+
+cnp.import_array()
+
+
+def have_bf16() -> bool:
+    """True when the CPU has AVX-512 BF16 (VDPBF16PS), which the fast path needs."""
+    return bool(nyb_qg_cpu_bf16())
+
+
+def qgemm(const float[:, :] x, object packed, float[:, :] out, const float[::1] bias=None,
+          bint accumulate=False, bint portable=False):
+    """``out[:, :N] = (out if accumulate else 0) + x @ W^T + bias``.
+
+    Args:
+        x: ``[M, K]`` float32, unit stride along ``K``. packed: a ``QPacked``.
+        out: ``[M, >= N]`` float32, unit stride along ``N``. bias: ``[N]`` float32 or None.
+        accumulate: add to ``out`` instead of overwriting it. portable: the portable C loop
+            even where AVX-512 BF16 exists (tests).
+
+    Raises:
+        ValueError: arrays that do not fit the packed weight.
+        MemoryError: no memory for the rounded activations.
+    """
+    cdef nyb_qw W
+    _fill_qw(&W, packed)
+    cdef int64_t m = x.shape[0]
+    if x.shape[1] != W.K:
+        raise ValueError(f"x must be [M, {W.K}], got [{m}, {x.shape[1]}]")
+    if out.shape[0] != m or out.shape[1] < W.N:
+        raise ValueError(f"out must be [{m}, >= {W.N}], got [{out.shape[0]}, {out.shape[1]}]")
+    if bias is not None and bias.shape[0] != W.N:
+        raise ValueError(f"bias must have {W.N} entries, got {bias.shape[0]}")
+    if m == 0:
+        return
+    if (W.K > 1 and x.strides[1] != sizeof(float)) or (W.N > 1 and out.strides[1] != sizeof(float)):
+        raise ValueError("x and out need unit stride along their last dimension")
+    cdef const float *b = NULL if bias is None else &bias[0]
+    cdef int rc
+    with nogil:
+        rc = nyb_qgemm(&W, &x[0, 0], m, x.strides[0] // sizeof(float), &out[0, 0],
+                       out.strides[0] // sizeof(float), b, accumulate, portable)
+    if rc != 0:
+        raise MemoryError("cpu_qgemm: no memory for the rounded activations")

@@ -1,0 +1,192 @@
+"""Packing for the CPU's bf16-dot quantized GEMM (:mod:`nybble.kernels.cpu.qgemm`), and its
+torch entry point.
+
+:func:`pack` turns any weight-only integer weight (:class:`~nybble.kernels.reference.quant.
+IntWeight` + scales: GPTQ, AWQ, compressed-tensors, nybble's own, GGUF blocks) into the
+layout ``qgemm.h`` streams: 16-column blocks, K-major, 4-bit values two to a byte or 8-bit
+values as ``q - 128``, scales as float16 when every scale is a float16 value (GPTQ/AWQ/GGUF
+store them so; 2 bytes per group and column) or float32 otherwise. Zero points become a
+mode: SYM (every zero is ``2^(bits-1)``; nothing stored), ZERO (``int8 z - 2^(bits-1)``), or
+MIN for a float per-group minimum ``W = s q + m`` (``float32 m + 2^(bits-1) s``).
+
+Numerics (:func:`error_bound`): ``x`` is rounded to bfloat16 (round to nearest even); the
+products with the exact weight integers are exact in float32; sums run in float32 over one
+group (pairs of products), then over the groups. So against the float64 product of the
+*rounded* ``x`` with the exact weight, the error is that of a float32 sum of
+``L + G + 3`` terms (``L`` the group size) — the same bound as the float32 weight-only kernel,
+applied to ``bf16(x)``; the rounding of ``x`` itself (relative ``2^-9``) is the price of the
+fast path, measured as perplexity in ``benchmarks/cpu_qgemm_quality.py``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from nybble.kernels.cpu import qgemm as cpu_qgemm
+from nybble.kernels.reference.quant import IntWeight
+
+COLS = 16
+"""Output columns per packed block."""
+SYM, ZERO, MIN = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class QPacked:
+    """A 4- or 8-bit weight packed for :func:`nybble.kernels.cpu.qgemm.qgemm`.
+
+    Attributes:
+        bits: 4 or 8. mode: :data:`SYM`, :data:`ZERO` or :data:`MIN`. in_features ``K``
+            and group_size: multiples of 8 (4 bits) or 4 (8 bits); the last group may be
+            shorter. out_features ``N``.
+        packed: uint8 ``[Np * K * bits / 8]`` (layout in ``qgemm.h``).
+        scales: ``[G, Np]`` uint16 (float16 bits) or float32. zq: int8 ``[G, Np]`` (ZERO) or
+            None. mo: float32 ``[G, Np]`` (MIN) or None. perm: int64 ``[K]`` input order (act
+            order) or None.
+    """
+
+    bits: int
+    mode: int
+    in_features: int
+    out_features: int
+    group_size: int
+    packed: np.ndarray
+    scales: np.ndarray
+    zq: np.ndarray | None
+    mo: np.ndarray | None
+    perm: np.ndarray | None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the kernel streams per call (weights, scales, zeros or minimums)."""
+        return sum(a.nbytes for a in (self.packed, self.scales, self.zq, self.mo)
+                   if a is not None)
+
+
+def group_order(iw: IntWeight) -> tuple[torch.Tensor | None, str | None]:
+    """The input permutation that makes every group contiguous (None: already so), or
+    ``(None, reason)`` when ``g_idx`` groups are not all ``group_size`` rows wide."""
+    if iw.g_idx is None:
+        return None, None
+    k = iw.q.shape[0]
+    perm = torch.argsort(iw.g_idx, stable=True)
+    expect = torch.arange(k, device=iw.g_idx.device) // iw.group_size
+    if not torch.equal(iw.g_idx[perm], expect):
+        return None, f"g_idx groups are not all {iw.group_size} rows wide"
+    return (None if torch.equal(perm, torch.arange(k, device=perm.device)) else perm), None
+
+
+def _pad(t: torch.Tensor, np_: int) -> torch.Tensor:
+    return torch.nn.functional.pad(t, (0, np_ - t.shape[1]))
+
+
+def _scales(scales: torch.Tensor, np_: int) -> np.ndarray:
+    """``[G, Np]`` float16 bits when exact, else float32."""
+    s32 = _pad(scales.float(), np_).contiguous()
+    s16 = s32.half()
+    if torch.equal(s16.float(), s32):
+        return s16.view(torch.int16).numpy().view(np.uint16)
+    return s32.numpy()
+
+
+def pack(iw: IntWeight, scales: torch.Tensor, mins: torch.Tensor | None = None
+         ) -> tuple[QPacked | None, str]:
+    """Pack a quantized weight for the bf16-dot kernel.
+
+    Args:
+        iw: the weight's integers (``q [K, N]``, zeros ``[G, N]``, optional ``g_idx``).
+        scales: ``[G, N]`` (any float dtype). mins: ``[G, N]`` float minimums (``W = s q +
+            m``, GGUF Q4_1/Q4_K) or None (then ``iw.mins`` if the IntWeight carries one).
+
+    Returns:
+        ``(packed, description)``, or ``(None, reason)`` when the kernel cannot take it.
+    """
+    if mins is None:
+        mins = getattr(iw, "mins", None)
+    k, n = iw.q.shape
+    if iw.bits not in (4, 8):
+        return None, f"bits must be 4 or 8 for the bf16 kernel, got {iw.bits}"
+    gs = iw.group_size
+    unit = 8 if iw.bits == 4 else 4
+    if k % unit or gs % unit:
+        return None, (f"K ({k}) and group_size ({gs}) must be multiples of {unit} for "
+                      f"{iw.bits}-bit weights")
+    g = -(-k // gs)
+    if scales.shape[0] != g:
+        return None, f"group_size {gs} must split K={k} into {scales.shape[0]} groups"
+    perm, why = group_order(iw)
+    if why is not None:
+        return None, why
+    np_ = -(-n // COLS) * COLS
+    nb = np_ // COLS
+    off = 1 << (iw.bits - 1)
+    q = _pad((iw.q if perm is None else iw.q[perm]).to(torch.int32), np_)  # [K, Np]
+    if iw.bits == 4:
+        qp = q.reshape(k // 8, 4, 2, nb, COLS)                    # ko, t, parity, jb, c
+        word = sum(qp[:, t] << (4 * t) for t in range(4))          # ko, parity, jb, c
+        word = word.permute(2, 0, 3, 1).contiguous()              # jb, ko, c, parity
+        packed = word.to(torch.int32).numpy().astype(np.uint16).view(np.uint8).reshape(-1)
+    else:
+        qp = (q - 128).to(torch.int8).reshape(k // 2, 2, nb, 2, 8)          # kp, par, jb, h, c
+        packed = qp.permute(2, 0, 3, 4, 1).contiguous().reshape(-1).view(torch.uint8).numpy()
+    zq = mo = None
+    if mins is not None:
+        mode = MIN
+        mo = _pad((mins.double() + off * scales.double()).float(), np_).contiguous().numpy()
+    elif bool((iw.zero == off).all()):
+        mode = SYM
+    else:
+        mode = ZERO
+        zq = _pad((iw.zero.to(torch.int32) - off).to(torch.int8), np_).contiguous().numpy()
+    s = _scales(scales, np_)
+    where = "AVX-512 BF16" if cpu_qgemm.have_bf16() else "portable C"
+    return (QPacked(iw.bits, mode, k, n, gs, packed, s, zq, mo,
+                    None if perm is None else perm.to(torch.int64).contiguous().numpy()),
+            f"int{iw.bits} bf16-dot kernel ({where}, bf16 activations, any number of rows)")
+
+
+def linear(x: torch.Tensor, w: QPacked, bias: torch.Tensor | None,
+           portable: bool = False) -> torch.Tensor:
+    """``x [M, K] @ W^T + bias`` with a packed weight; returns ``[M, N]`` in ``x.dtype``.
+    ``portable`` forces the portable C loop (tests).
+
+    Raises:
+        ValueError: ``x`` not ``[M, K]``.
+    """
+    if x.dim() != 2 or x.shape[1] != w.in_features:
+        raise ValueError(f"x must be [M, {w.in_features}], got {list(x.shape)}")
+    x32 = x.to(torch.float32).contiguous()
+    y = torch.empty(x.shape[0], w.out_features, dtype=torch.float32)
+    b = None if bias is None else bias.float().contiguous().numpy()
+    cpu_qgemm.qgemm(x32.numpy(), w, y.numpy(), b, False, portable)
+    return y.to(x.dtype)
+
+
+def round_bf16(x: torch.Tensor) -> torch.Tensor:
+    """``x`` rounded to bfloat16 (nearest even) and back to float32: what the kernel reads."""
+    return x.float().to(torch.bfloat16).float()
+
+
+def error_bound(x: torch.Tensor, iw: IntWeight, scales: torch.Tensor,
+                mins: torch.Tensor | None = None) -> torch.Tensor:
+    """The kernel's elementwise tolerance against the float64 product of ``bf16(x)`` with the
+    exact weight, float64 ``[M, N]``: ``gamma_n * (|bf16(x)| @ A^T)`` with ``n = L + G + 3``
+    (``L`` the group size, ``G`` the number of groups), ``gamma_n = n u / (1 - n u)``,
+    ``u = 2^-24`` and ``A[n, k] = |s| (|q - o| + |z - o|)`` (integer zeros) or
+    ``|s| |q - o| + |m + o s|`` (float minimums), ``o = 2^(bits-1)``: every product is
+    exact, each sum a float32 sum of at most ``n`` terms."""
+    k = iw.q.shape[0]
+    gs = iw.group_size
+    n_terms = gs + -(-k // gs) + 3
+    u = 2.0 ** -24
+    gamma = n_terms * u / (1 - n_terms * u)
+    g = torch.arange(k) // gs if iw.g_idx is None else iw.g_idx
+    off = 1 << (iw.bits - 1)
+    s = scales.double()[g]                                          # [K, N]
+    qa = (iw.q.double() - off).abs()
+    if mins is None:
+        a = s.abs() * (qa + (iw.zero.double()[g] - off).abs())
+    else:
+        a = s.abs() * qa + (mins.double()[g] + off * s).abs()
+    return gamma * (round_bf16(x).double().abs() @ a)

@@ -1,0 +1,155 @@
+"""CPU weight-only INT4/INT8 GEMM for decode batches, the weight repacked once at load.
+
+The reference CPU path (:mod:`nybble.kernels.reference.quant`) dequantizes the whole weight
+on every call; this one keeps the weight packed and dequantizes inside the GEMM
+(:mod:`nybble.kernels.cpu.wo_gemm`, C with an AVX2+FMA path chosen at run time), so a
+memory-bound decode step reads 0.5 (INT4) or 1 (INT8) byte per weight instead of 4:
+
+* :func:`prepare` repacks ``q [K, N]`` into blocks of 32 output columns stored K-major (eight
+  4-bit values per ``uint32``, or ``q - 128`` as ``int8``), with float32 scales and zero points
+  ``[G, Np]`` (``N`` padded to a multiple of 32 with zero columns that are never written out).
+* Act order (a non-trivial ``g_idx``) is reordered at load: input rows sorted by group make
+  every group contiguous, and the kernel reads ``x`` through the same permutation.
+* Any group size (the last group may be shorter, as GPTQ allows) and per-channel weights.
+
+Numerics: float32 activations and accumulation, ``q - z`` exact. For one row the kernel sums
+``x * q`` per group and subtracts ``z * sum(x)``; for more rows it forms ``q - z`` first. The
+reference rounds ``s * (q - z)`` to the scale dtype (unit roundoff ``u_s``: ``2^-11`` for
+float16 scales, ``2^-8`` bfloat16, ``2^-24`` float32) before an exact-order GEMM. Tolerance,
+elementwise: ``|y - y_ref| <= gamma_n * (|x| @ A^T) + u_s * (|x| @ |W|^T)`` with
+``A[n, k] = s * (|q| + |z|)``, ``W[n, k] = s * (q - z)``, ``gamma_n = n u / (1 - n u)``,
+``u = 2^-24`` and
+``n = L + G + 3`` (``L`` the group size, ``G`` the number of groups) — :func:`error_bound`,
+tested in tests/kernels/cpu/test_weight_only.py. Beyond :data:`MAX_ROWS` rows (prefill) the
+caller uses the reference path.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from nybble.kernels.cpu import wo_gemm as cpu_wo_gemm
+from nybble.kernels.cpu.qgemm_pack import group_order
+from nybble.kernels.reference.quant import IntWeight
+
+MAX_ROWS = cpu_wo_gemm.MAX_ROWS
+"""Rows (tokens) per call up to which the packed kernel runs: decode batches of up to 16
+sequences. Longer calls (prefill) keep the exact reference path, so prompt logits and
+``nybble eval-ppl`` are those of the published dequantization."""
+_COLS = cpu_wo_gemm.COLS
+_SCALE_ROUNDOFF = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8,
+                   torch.float32: 2.0 ** -24, torch.float64: 2.0 ** -53}
+
+
+@dataclass(frozen=True)
+class CpuWeight:
+    """A 4- or 8-bit weight repacked for :func:`nybble.kernels.cpu.wo_gemm.wo_gemm`.
+
+    Attributes:
+        bits: 4 or 8. in_features ``K``, out_features ``N``, group_size: input rows per
+            group (the last may be shorter).
+        packed: uint8 bytes of the packed weight (``Np * K * bits / 8``).
+        scales: float32 ``[G, Np]``. zeros: float32 ``[G, Np]`` (``z``; ``z - 128`` for 8
+            bits). perm: int64 ``[K]`` input order (act order) or None.
+    """
+
+    bits: int
+    in_features: int
+    out_features: int
+    group_size: int
+    packed: np.ndarray
+    scales: np.ndarray
+    zeros: np.ndarray
+    perm: np.ndarray | None
+
+
+def _pad_columns(t: torch.Tensor, np_: int) -> torch.Tensor:
+    """``[R, N] -> [R, Np]`` with zero columns appended."""
+    return torch.nn.functional.pad(t, (0, np_ - t.shape[1]))
+
+
+def prepare(iw: IntWeight, scales: torch.Tensor) -> tuple[CpuWeight | None, str]:
+    """Repack a quantized weight for the CPU kernel.
+
+    Args:
+        iw: the weight's integers. scales: ``[G, N]`` (fp16/bf16/fp32).
+
+    Returns:
+        ``(weight, description)``, or ``(None, reason)`` when the kernel cannot take it
+        (the caller then keeps the reference path).
+    """
+    k, n = iw.q.shape
+    if iw.mins is not None:
+        return None, "float per-group minimums (GGUF y = d*q + m) are not in the CPU kernel yet"
+    if iw.bits not in (4, 8):
+        return None, f"bits must be 4 or 8 for the CPU kernel, got {iw.bits}"
+    gs = iw.group_size
+    g = -(-k // gs)
+    if scales.shape[0] != g or iw.zero.shape[0] != g:
+        return None, f"group_size {gs} must split K={k} into {scales.shape[0]} groups"
+    perm, why = group_order(iw)
+    if why is not None:
+        return None, why
+    np_ = -(-n // _COLS) * _COLS
+    q = (iw.q if perm is None else iw.q[perm]).to(torch.int64)  # [K, N], groups contiguous
+    q = _pad_columns(q, np_).reshape(k, np_ // _COLS, _COLS)
+    zero = iw.zero.to(torch.float32)
+    if iw.bits == 4:
+        nib = q.reshape(k, np_ // _COLS, 4, 8) << (4 * torch.arange(8))
+        words = nib.sum(dim=3).to(torch.int32)  # < 2^32: the top nibble wraps to int32 bits
+        packed = words.transpose(0, 1).contiguous()  # [Np/32, K, 4]
+    else:
+        packed = (q - 128).to(torch.int8).transpose(0, 1).contiguous()  # [Np/32, K, 32]
+        zero = zero - 128
+    return (CpuWeight(iw.bits, k, n, gs, packed.numpy().view(np.uint8).reshape(-1),
+                      _pad_columns(scales.float(), np_).contiguous().numpy(),
+                      _pad_columns(zero, np_).contiguous().numpy(),
+                      None if perm is None else perm.to(torch.int64).contiguous().numpy()),
+            f"int{iw.bits} weight-only kernel "
+            f"({'AVX2' if cpu_wo_gemm.have_avx2() else 'portable C'}, fp32 activations)")
+
+
+def linear(x: torch.Tensor, w: CpuWeight, bias: torch.Tensor | None,
+           portable: bool = False) -> torch.Tensor:
+    """``x [M, K] @ W^T + bias`` with a repacked weight, ``1 <= M <= MAX_ROWS``; returns
+    ``[M, N]`` in ``x.dtype``. ``portable`` forces the portable C loop (tests).
+
+    Raises:
+        ValueError: ``x`` not ``[M, K]`` with ``M`` in ``[1, MAX_ROWS]``.
+    """
+    if x.dim() != 2 or x.shape[1] != w.in_features:
+        raise ValueError(f"x must be [M, {w.in_features}], got {list(x.shape)}")
+    x32 = x.to(torch.float32).contiguous()
+    y = torch.empty(x.shape[0], w.out_features, dtype=torch.float32)
+    cpu_wo_gemm.wo_gemm(x32.numpy(), w.packed, w.bits, w.out_features, w.group_size,
+                        w.scales, w.zeros, w.perm, y.numpy(), portable)
+    if bias is not None:
+        y += bias.float()
+    return y.to(x.dtype)
+
+
+def error_bound(x: torch.Tensor, iw: IntWeight, scales: torch.Tensor,
+                y_ref: torch.Tensor | None = None, *,
+                reference_rounding: bool = True) -> torch.Tensor:
+    """The documented elementwise tolerance of :func:`linear`, float64 ``[M, N]``.
+
+    Against the reference dequantization (module docstring) by default; with
+    ``reference_rounding=False``, against the exact product ``x @ (s * (q - z))^T``
+    (float64 oracle), where only the kernel's own float32 rounding counts
+    (``gamma_n * (|x| @ A^T)``). ``y_ref`` is unused (kept for callers that pass it).
+    """
+    k = iw.q.shape[0]
+    gs = iw.group_size
+    n_terms = gs + -(-k // gs) + 3
+    u = 2.0 ** -24
+    gamma = n_terms * u / (1 - n_terms * u)
+    g = torch.arange(k) // gs if iw.g_idx is None else iw.g_idx
+    s = scales.double()[g]  # [K, N]
+    xa = x.double().abs()
+    bound = gamma * (xa @ (s * (iw.q.double().abs() + iw.zero.double()[g].abs())))
+    if reference_rounding:
+        w = (s * (iw.q.double() - iw.zero.double()[g])).abs()
+        bound = bound + _SCALE_ROUNDOFF[scales.dtype] * (xa @ w)
+    return bound

@@ -1,0 +1,230 @@
+/* Weight-only INT4/INT8 GEMM for the CPU: y[M, N] = x[M, K] @ W^T, W dequantized on the fly.
+ *
+ * W[n, k] = s[g, n] * (q[k, n] - z[g, n]) with g = k / group (after the act-order permutation
+ * that makes groups contiguous, applied to x here).  float32 activations, float32
+ * accumulation; the weight is read once per call in its packed form, which is what makes a
+ * memory-bound decode step faster than with float32 weights.
+ *
+ * Packed layouts (written once at load by nybble/kernels/cpu/weight_only.py), N padded to a
+ * multiple of NYB_COLS = 32 output columns ("Np"), blocks of 32 columns stored K-major so that
+ * one call streams every block from start to end:
+ *   int4: w4[(jb * K + k) * 4 + i]  uint32; nibble t (bits 4t..4t+3) is q[k, 32 jb + 8 i + t]
+ *   int8: w8[(jb * K + k) * 32 + c] int8 = q[k, 32 jb + c] - 128
+ *   scales[g * Np + n], zeros[g * Np + n]: float32 s and z (int8: z - 128, so w = q8 - z').
+ *
+ * Two ways through a block of 32 columns:
+ *   M == 1: the integers times x are summed per group, then y += s * (acc - z * sum_k x):
+ *           unpack (shift, mask, convert) and one FMA per 8 weights.
+ *   M >= 2: a group of the block is unpacked once to float (q - z) in a scratch tile, then
+ *           every row of x runs FMAs over it (rows in threes: 12 accumulators).
+ * An x86-64 AVX2+FMA version is chosen at run time when the CPU has it; the portable C loop
+ * computes the same sums in the same order otherwise.
+ */
+#ifndef NYB_CPU_WO_GEMM_H
+#define NYB_CPU_WO_GEMM_H
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_features.h"
+#ifdef NYB_X86_AVX2
+#include <immintrin.h>
+#endif
+
+#define NYB_COLS 32
+#define NYB_MAX_ROWS 16
+
+typedef struct {
+    int bits;              /* 4 or 8 */
+    int64_t K, N, Np, group, G;
+    const void *w;         /* packed weight, layout above */
+    const float *scales;   /* [G, Np] */
+    const float *zeros;    /* [G, Np] */
+    const int64_t *perm;   /* [K] input order (act order) or NULL */
+} nyb_wo_weight;
+
+/* The integer q[k, 32 jb + c] of a packed block (portable path). */
+static inline float nyb_q(const nyb_wo_weight *W, int64_t jb, int64_t k, int c) {
+    if (W->bits == 4) {
+        const uint32_t *w = (const uint32_t *)W->w + (jb * W->K + k) * 4;
+        return (float)((w[c >> 3] >> (4 * (c & 7))) & 0xFu);
+    }
+    return (float)((const int8_t *)W->w)[(jb * W->K + k) * NYB_COLS + c];
+}
+
+/* Portable path: the same per-column sums as the AVX2 one, in the same order. */
+static void nyb_block_portable(const nyb_wo_weight *W, const float *x, const float *xs,
+                               int64_t M, int64_t jb, float *yt, float *tile) {
+    const int64_t K = W->K, group = W->group;
+    for (int64_t g = 0; g < W->G; g++) {
+        const int64_t ks = g * group, ke = ks + group < K ? ks + group : K;
+        const float *s = W->scales + g * W->Np + jb * NYB_COLS;
+        const float *z = W->zeros + g * W->Np + jb * NYB_COLS;
+        if (M == 1) {
+            float acc[NYB_COLS] = {0};
+            for (int64_t k = ks; k < ke; k++)
+                for (int c = 0; c < NYB_COLS; c++) acc[c] += x[k] * nyb_q(W, jb, k, c);
+            for (int c = 0; c < NYB_COLS; c++) yt[c] += s[c] * (acc[c] - z[c] * xs[g]);
+            continue;
+        }
+        for (int64_t k = ks; k < ke; k++)
+            for (int c = 0; c < NYB_COLS; c++)
+                tile[(k - ks) * NYB_COLS + c] = nyb_q(W, jb, k, c) - z[c];
+        for (int64_t m = 0; m < M; m++) {
+            float acc[NYB_COLS] = {0};
+            for (int64_t k = ks; k < ke; k++)
+                for (int c = 0; c < NYB_COLS; c++)
+                    acc[c] += x[m * K + k] * tile[(k - ks) * NYB_COLS + c];
+            for (int c = 0; c < NYB_COLS; c++) yt[m * NYB_COLS + c] += s[c] * acc[c];
+        }
+    }
+}
+
+#ifdef NYB_X86_AVX2
+#define NYB_AVX2 __attribute__((target("avx2,fma")))
+
+/* Eight integers of row k for columns 8 i .. 8 i + 7 of the block, as float. */
+static inline NYB_AVX2 __m256 nyb_unpack4(const uint32_t *wk, int i, __m256i shifts,
+                                          __m256i mask) {
+    __m256i v = _mm256_set1_epi32((int)wk[i]);
+    return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(v, shifts), mask));
+}
+
+static inline NYB_AVX2 __m256 nyb_unpack8(const int8_t *wk, int i) {
+    __m128i b = _mm_loadl_epi64((const __m128i *)(wk + 8 * i));
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+}
+
+/* yt[r, :] += s * (x[r, :L] @ tile[L, 32]) for ROWS rows (a constant after inlining, so the
+ * 4 * ROWS accumulators stay in registers). */
+static inline __attribute__((always_inline)) NYB_AVX2 void nyb_rows_avx2(
+        const float *tile, int64_t L, const float *x, int64_t ldx, const float *s, float *yt,
+        const int ROWS) {
+    __m256 acc[3][4];
+    for (int r = 0; r < ROWS; r++)
+        for (int i = 0; i < 4; i++) acc[r][i] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < L; k++) {
+        const float *tk = tile + k * NYB_COLS;
+        const __m256 t0 = _mm256_loadu_ps(tk), t1 = _mm256_loadu_ps(tk + 8);
+        const __m256 t2 = _mm256_loadu_ps(tk + 16), t3 = _mm256_loadu_ps(tk + 24);
+        for (int r = 0; r < ROWS; r++) {
+            const __m256 xv = _mm256_broadcast_ss(x + r * ldx + k);
+            acc[r][0] = _mm256_fmadd_ps(t0, xv, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(t1, xv, acc[r][1]);
+            acc[r][2] = _mm256_fmadd_ps(t2, xv, acc[r][2]);
+            acc[r][3] = _mm256_fmadd_ps(t3, xv, acc[r][3]);
+        }
+    }
+    for (int r = 0; r < ROWS; r++)
+        for (int i = 0; i < 4; i++) {
+            float *y = yt + r * NYB_COLS + 8 * i;
+            _mm256_storeu_ps(y, _mm256_fmadd_ps(_mm256_loadu_ps(s + 8 * i), acc[r][i],
+                                                _mm256_loadu_ps(y)));
+        }
+}
+
+static NYB_AVX2 void nyb_block_avx2(const nyb_wo_weight *W, const float *x, const float *xs,
+                                    int64_t M, int64_t jb, float *yt, float *tile) {
+    const int64_t K = W->K, group = W->group;
+    const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+    const __m256i mask = _mm256_set1_epi32(0xF);
+    const uint32_t *w4 = (const uint32_t *)W->w + jb * K * 4;
+    const int8_t *w8 = (const int8_t *)W->w + jb * K * NYB_COLS;
+    for (int64_t g = 0; g < W->G; g++) {
+        const int64_t ks = g * group, ke = ks + group < K ? ks + group : K;
+        const float *s = W->scales + g * W->Np + jb * NYB_COLS;
+        const float *z = W->zeros + g * W->Np + jb * NYB_COLS;
+        if (M == 1) {
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            if (W->bits == 4) {
+                for (int64_t k = ks; k < ke; k++) {
+                    const __m256 xv = _mm256_broadcast_ss(x + k);
+                    const uint32_t *wk = w4 + k * 4;
+                    a0 = _mm256_fmadd_ps(nyb_unpack4(wk, 0, shifts, mask), xv, a0);
+                    a1 = _mm256_fmadd_ps(nyb_unpack4(wk, 1, shifts, mask), xv, a1);
+                    a2 = _mm256_fmadd_ps(nyb_unpack4(wk, 2, shifts, mask), xv, a2);
+                    a3 = _mm256_fmadd_ps(nyb_unpack4(wk, 3, shifts, mask), xv, a3);
+                }
+            } else {
+                for (int64_t k = ks; k < ke; k++) {
+                    const __m256 xv = _mm256_broadcast_ss(x + k);
+                    const int8_t *wk = w8 + k * NYB_COLS;
+                    a0 = _mm256_fmadd_ps(nyb_unpack8(wk, 0), xv, a0);
+                    a1 = _mm256_fmadd_ps(nyb_unpack8(wk, 1), xv, a1);
+                    a2 = _mm256_fmadd_ps(nyb_unpack8(wk, 2), xv, a2);
+                    a3 = _mm256_fmadd_ps(nyb_unpack8(wk, 3), xv, a3);
+                }
+            }
+            const __m256 xsg = _mm256_set1_ps(xs[g]);
+            __m256 acc[4] = {a0, a1, a2, a3};
+            for (int i = 0; i < 4; i++) {
+                __m256 t = _mm256_fnmadd_ps(_mm256_loadu_ps(z + 8 * i), xsg, acc[i]);
+                _mm256_storeu_ps(yt + 8 * i, _mm256_fmadd_ps(_mm256_loadu_ps(s + 8 * i), t,
+                                                             _mm256_loadu_ps(yt + 8 * i)));
+            }
+            continue;
+        }
+        for (int64_t k = ks; k < ke; k++) {
+            float *tk = tile + (k - ks) * NYB_COLS;
+            for (int i = 0; i < 4; i++) {
+                __m256 q = W->bits == 4 ? nyb_unpack4(w4 + k * 4, i, shifts, mask)
+                                        : nyb_unpack8(w8 + k * NYB_COLS, i);
+                _mm256_storeu_ps(tk + 8 * i, _mm256_sub_ps(q, _mm256_loadu_ps(z + 8 * i)));
+            }
+        }
+        int64_t m0 = 0;
+        for (; m0 + 3 <= M; m0 += 3) nyb_rows_avx2(tile, ke - ks, x + m0 * K + ks, K, s,
+                                                   yt + m0 * NYB_COLS, 3);
+        for (; m0 < M; m0++) nyb_rows_avx2(tile, ke - ks, x + m0 * K + ks, K, s,
+                                           yt + m0 * NYB_COLS, 1);
+    }
+}
+#endif
+
+static int nyb_have_avx2(void) { return nyb_cpu_has_avx2_fma(); }
+
+/* y[M, N] (row stride ldy) = x[M, K] (row stride ldx) @ W^T.  Returns 0, or -1 when M is
+ * out of [1, NYB_MAX_ROWS] or memory runs out (y untouched then).  force_portable: 1 takes
+ * the portable C loop even where AVX2 exists (tests compare the two). */
+static int nyb_wo_gemm(const nyb_wo_weight *W, const float *x, int64_t M, int64_t ldx,
+                       float *y, int64_t ldy, int force_portable) {
+    if (M < 1 || M > NYB_MAX_ROWS) return -1;
+    const int64_t K = W->K;
+    float *xp = (float *)malloc(sizeof(float) * (size_t)(M * K + M * W->G + W->group * NYB_COLS
+                                                          + NYB_MAX_ROWS * NYB_COLS));
+    if (xp == NULL) return -1;
+    float *xs = xp + M * K, *tile = xs + M * W->G, *yt = tile + W->group * NYB_COLS;
+    for (int64_t m = 0; m < M; m++) {   /* x in the weight's row order, then group sums */
+        const float *xm = x + m * ldx;
+        float *d = xp + m * K;
+        if (W->perm) for (int64_t k = 0; k < K; k++) d[k] = xm[W->perm[k]];
+        else memcpy(d, xm, sizeof(float) * (size_t)K);
+        for (int64_t g = 0; g < W->G; g++) {
+            const int64_t ks = g * W->group, ke = ks + W->group < K ? ks + W->group : K;
+            float t = 0.0f;
+            for (int64_t k = ks; k < ke; k++) t += d[k];
+            xs[m * W->G + g] = t;
+        }
+    }
+    const int avx2 = !force_portable && nyb_have_avx2();
+    for (int64_t jb = 0; jb < W->Np / NYB_COLS; jb++) {
+        memset(yt, 0, sizeof(float) * (size_t)(M * NYB_COLS));
+#ifdef NYB_X86_AVX2
+        if (avx2) nyb_block_avx2(W, xp, xs, M, jb, yt, tile);
+        else
+#endif
+        nyb_block_portable(W, xp, xs, M, jb, yt, tile);
+        const int64_t n0 = jb * NYB_COLS;
+        const int64_t cols = W->N - n0 < NYB_COLS ? W->N - n0 : NYB_COLS;
+        for (int64_t m = 0; m < M; m++)
+            memcpy(y + m * ldy + n0, yt + m * NYB_COLS, sizeof(float) * (size_t)cols);
+    }
+    free(xp);
+    (void)avx2;
+    return 0;
+}
+
+static int nyb_wo_have_avx2(void) { return nyb_have_avx2(); }
+
+#endif

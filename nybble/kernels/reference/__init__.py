@@ -1,0 +1,1 @@
+"""Pure-torch references: paged attention, dequantization (CPU path, float64 oracles)."""

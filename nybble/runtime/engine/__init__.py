@@ -1,0 +1,1 @@
+"""The engine-core process: engine core, its busy loop, beam search (imports torch)."""

@@ -1,0 +1,1 @@
+"""Tensor-parallel executors (mp, ray), their worker ranks and the step payload."""

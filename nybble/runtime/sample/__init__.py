@@ -1,0 +1,1 @@
+"""Logits to tokens: sampler, per-request sampling state, logit shaping, grammars."""

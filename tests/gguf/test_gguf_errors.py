@@ -1,0 +1,108 @@
+"""Bad GGUF files give one clear line at start-up: truncated, bad magic, an unsupported
+tensor type (named with the tensor and the supported list), an unsupported architecture, a
+split model without its shards; and a quantization flag that does not fit."""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from nybble.cli import main
+from nybble.config import ModelConfig
+from nybble.errors import UnsupportedModelError
+from nybble.kernels.reference.attention import TorchAttentionBackend
+from nybble.models.loader import load_model
+from tests.conftest import shared_path
+
+Q40 = os.path.join(shared_path("fixtures", "gguf"), "stories3m-Q4_0.gguf")
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NYBBLE_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def _load(path: str, **kw: object) -> None:
+    load_model(ModelConfig(model=path, device="cpu", **kw), TorchAttentionBackend(),
+               torch.device("cpu"))
+
+
+def _rewrite(src: str, dst: str, arch: str | None = None,
+             retype: tuple[str, gguf.GGMLQuantizationType] | None = None) -> None:
+    """Copy ``src`` with gguf-py's writer, optionally renaming the architecture or storing
+    one tensor as another type (random bytes of that type's size)."""
+    r = gguf.GGUFReader(src)
+    w = gguf.GGUFWriter(dst, arch or r.fields["general.architecture"].contents())
+    for key, f in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        vtype = f.types[0]
+        sub = f.types[1] if vtype == gguf.GGUFValueType.ARRAY else None
+        key = key.replace("llama.", f"{arch}.") if arch else key
+        w.add_key_value(key, f.contents(), vtype, sub)
+    for t in r.tensors:
+        data, rtype = np.array(t.data), t.tensor_type
+        if retype is not None and t.name == retype[0]:
+            rtype = retype[1]
+            block, size = gguf.GGML_QUANT_SIZES[rtype]
+            rows, k = int(t.shape[1]), int(t.shape[0])
+            data = np.random.default_rng(0).integers(0, 255, (rows, k // block * size),
+                                                     dtype=np.uint8)
+        w.add_tensor(t.name, data, raw_dtype=rtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_truncated_file(tmp_path: Path) -> None:
+    p = tmp_path / "cut.gguf"
+    p.write_bytes(Path(Q40).read_bytes()[:1_000_000])
+    with pytest.raises(UnsupportedModelError, match="truncated"):
+        _load(str(p))
+
+
+def test_bad_magic(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    p = tmp_path / "bad.gguf"
+    p.write_bytes(b"GGML" + Path(Q40).read_bytes()[4:])
+    with pytest.raises(UnsupportedModelError, match="must start with the magic b'GGUF'"):
+        _load(str(p))
+    assert main(["generate", "--model", str(p), "x"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is not a GGUF file" in err[0]
+
+
+def test_unsupported_type_names_tensor_and_supported(tmp_path: Path) -> None:
+    p = tmp_path / "q2k.gguf"
+    _rewrite(Q40, str(p), retype=("blk.1.ffn_up.weight", gguf.GGMLQuantizationType.Q2_K))
+    with pytest.raises(UnsupportedModelError,
+                       match=r"blk\.1\.ffn_up\.weight has type Q2_K.*supported: Q4_0, Q4_1"):
+        _load(str(p))
+
+
+def test_unsupported_architecture(tmp_path: Path) -> None:
+    p = tmp_path / "arch.gguf"
+    _rewrite(Q40, str(p), arch="gpt2")
+    with pytest.raises(UnsupportedModelError,
+                       match="general.architecture must be one of llama, qwen2, got 'gpt2'"):
+        _load(str(p))
+
+
+def test_split_without_shards(tmp_path: Path) -> None:
+    p = tmp_path / "story-00001-of-00002.gguf"
+    shutil.copy(Q40, p)
+    with pytest.raises(UnsupportedModelError,
+                       match=r"needs all 2 of its shards.*missing \['story-00002-of-00002.gguf'\]"):
+        _load(str(p))
+
+
+def test_quantization_flag(tmp_path: Path) -> None:
+    with pytest.raises(UnsupportedModelError, match="must be unset or 'gguf' for a GGUF file"):
+        _load(Q40, quantization="gptq")
+    with pytest.raises(UnsupportedModelError, match="'gguf' needs a .gguf model file"):
+        _load(shared_path("fixtures", "quant", "tiny-llama-fp32"), quantization="gguf")
