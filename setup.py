@@ -62,11 +62,14 @@ extensions.append(Extension(
     include_dirs=["nybble/kernels/cpu", np.get_include()],
     depends=["nybble/kernels/cpu/qgemm.h", "nybble/kernels/cpu/qgemm_struct.pxi"],
     extra_compile_args=["-O3"]))
-# The fused CPU decode step (nybble/kernels/cpu/decoder.pyx + .h); the same float flags as the
-# attention kernel, so the dot products' sums vectorise.
+# The fused CPU decode step (nybble/kernels/cpu/decoder.pyx + .h, which includes qgemm.h for
+# packed projections); the same float flags as the attention kernel, so the dense dot products'
+# sums vectorise (the packed path's AVX-512 BF16 code is intrinsics, unaffected).
 extensions.append(Extension(
     "nybble.kernels.cpu.decoder", [f"{CPU}/decoder.pyx"], define_macros=macros,
-    include_dirs=[CPU, np.get_include()], depends=[f"{CPU}/decoder.h", f"{CPU}/cpu_features.h"],
+    include_dirs=[CPU, np.get_include()],
+    depends=[f"{CPU}/decoder.h", f"{CPU}/qgemm.h", f"{CPU}/qgemm_struct.pxi", f"{CPU}/wo_gemm.h",
+             f"{CPU}/cpu_features.h"],
     extra_compile_args=["-O3", "-fno-math-errno", "-fno-signed-zeros", "-fno-trapping-math",
                         "-fassociative-math"]))
 

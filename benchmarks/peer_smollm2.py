@@ -13,6 +13,11 @@ int4     ``nybble quantize`` RTN 4-bit    ``llama-quantize ... Q4_0``
          g32 symmetric
 =======  ===============================  ===================================
 
+and, since nybble reads GGUF, three pairs of one file served by both: ``gguf-q4_0`` and
+``gguf-q8_0`` (the ``llama-quantize`` files above) and ``gguf-q4_1`` (the published Q4_1 file
+of the shared folder, copied into the artifacts). The HF folder's tokenizer (``hf-f32``) cuts
+the prompts for every pair.
+
 For every thread count (``--threads``: nybble ``--threads N`` and ``OMP_NUM_THREADS=N``;
 llama-server ``-t N -tb N``) and model, both servers run at once on loopback ports and every
 workload goes to each in turn, the order swapped every round (A, B, then B, A, ...); a figure is
@@ -70,7 +75,10 @@ from nybble.bench.workloads import BenchRequest, WorkloadConfig, build_requests
 # name: (nybble folder, GGUF file, llama.cpp type), both under --artifacts
 MODELS = {"fp32": ("hf-f32", "smollm2-f32.gguf", "F32"),
           "int8": ("nybble-int8-g32", "smollm2-q8_0.gguf", "Q8_0"),
-          "int4": ("nybble-int4-g32", "smollm2-q4_0.gguf", "Q4_0")}
+          "int4": ("nybble-int4-g32", "smollm2-q4_0.gguf", "Q4_0"),
+          "gguf-q4_0": ("smollm2-q4_0.gguf", "smollm2-q4_0.gguf", "Q4_0"),
+          "gguf-q8_0": ("smollm2-q8_0.gguf", "smollm2-q8_0.gguf", "Q8_0"),
+          "gguf-q4_1": ("smollm2-q4_1.gguf", "smollm2-q4_1.gguf", "Q4_1")}
 DEFAULT_WORKLOADS = "1x256,16x64,64x128,prefill1450"
 SERVERS = ("nybble", "llama-server")
 
@@ -196,11 +204,13 @@ def main() -> None:  # noqa: C901 - one linear script
                  f"(and build llama.cpp as ../shared/docs/peers.md says)")
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(paths[models[0]][0])
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(args.artifacts, "hf-f32"))
     tokenizer.model_max_length = 1 << 62   # the held-out text is tokenized whole
     dataset = args.dataset if os.path.exists(args.dataset) else None
     reqs = request_sets(tokenizer, workloads, args.rounds, dataset)
-    weights = {m: {"nybble": safetensors_weight_bytes(paths[m][0]),
+    weights = {m: {"nybble": (gguf_weight_bytes(paths[m][0], args.llama_dir)
+                              if paths[m][0].endswith(".gguf") else
+                              safetensors_weight_bytes(paths[m][0])),
                    "llama-server": gguf_weight_bytes(paths[m][1], args.llama_dir)}
                for m in models}
     slots = max(w.streams for w in workloads)

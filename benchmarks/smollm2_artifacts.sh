@@ -7,6 +7,7 @@
 #   OUT/smollm2-f32.gguf     llama.cpp's convert_hf_to_gguf.py --outtype f32 of that folder
 #   OUT/smollm2-q8_0.gguf    llama-quantize ... Q8_0
 #   OUT/smollm2-q4_0.gguf    llama-quantize ... Q4_0
+#   OUT/smollm2-q4_1.gguf    a copy of the published Q4_1 file (served by both as it is)
 #   OUT/nybble-int8-g32/     nybble quantize --method rtn --bits 8 --group-size 32 --sym
 #   OUT/nybble-int4-g32/     nybble quantize --method rtn --bits 4 --group-size 32 --sym
 #                            (symmetric, one scale per 32 inputs: the form of Q4_0 / Q8_0)
@@ -44,7 +45,7 @@ while [ $# -gt 0 ]; do
     --float-dir) FLOAT_DIR="$2"; shift 2 ;;
     --venv) VENV="$2"; shift 2 ;;
     --force) FORCE=1; shift ;;
-    -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
     *) echo "unknown option $1 (allowed: --shared --llama-dir --build --out --float-dir --venv --force)" >&2
        exit 2 ;;
   esac
@@ -106,6 +107,10 @@ for q in Q8_0 Q4_0; do
   fi
 done
 
+if todo "$OUT/smollm2-q4_1.gguf"; then
+  cp "$GGUF_SRC" "$OUT/smollm2-q4_1.gguf"
+fi
+
 for bits in 8 4; do
   dst="$OUT/nybble-int$bits-g32"
   if todo "$dst/config.json"; then
@@ -123,7 +128,7 @@ echo "== manifest: $OUT/MANIFEST.txt"
   echo "# made by benchmarks/smollm2_artifacts.sh from $GGUF_SRC"
   echo "# llama.cpp: $LLAMA_DIR, $("$BUILD/bin/llama-server" --version 2>&1 | grep -m1 version || true)"
   for f in "$FLOAT_DIR/model.safetensors" "$F32_GGUF" "$OUT"/smollm2-q8_0.gguf \
-           "$OUT"/smollm2-q4_0.gguf "$OUT"/nybble-int8-g32/model.safetensors \
+           "$OUT"/smollm2-q4_0.gguf "$OUT"/smollm2-q4_1.gguf "$OUT"/nybble-int8-g32/model.safetensors \
            "$OUT"/nybble-int4-g32/model.safetensors; do
     printf '%s  %s  %s\n' "$(stat -c %s "$f")" "$(sha256sum "$f" | cut -d' ' -f1)" "$f"
   done

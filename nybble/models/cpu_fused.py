@@ -1,13 +1,23 @@
-"""The fused CPU step: a forward step of a float32 Llama-family model in one C call
+"""The fused CPU step: a forward step of a Llama-family model in one C call
 (:mod:`nybble.kernels.cpu.decoder`) instead of ~230 torch ops.
 
 A small model's decode step on the CPU is dominated by per-op framework overhead (a few
 microseconds per op for math that takes less): the bundled model's forward is ~1.1 ms of
 dispatch for ~20 MFLOP. The fused step runs the same arithmetic (float32, the model's own RoPE
 table, the same paged KV cache) with no dispatch between the pieces — what CUDA graphs do for
-a GPU decode step. It takes the steps of a model whose linear layers are dense
-float32 and whose KV cache is float32; quantized or half-precision weights, a quantized KV
-cache and ``torch.compile`` keep the torch path. A small model (linear weights of at most
+a GPU decode step. It takes the steps of a model whose KV cache is float32 and whose linear
+layers are dense float32 or quantized ones packed for one of the CPU kernels: bf16-dot
+(:mod:`nybble.kernels.cpu.qgemm_pack`, the default on CPUs with AVX-512 BF16) or float32
+weight-only (:mod:`nybble.kernels.cpu.weight_only`, the exact path and the default
+elsewhere); GGUF fused projections of up to four block types too; the token embedding dense
+or packed the same way. Half-precision weights, a quantized KV cache and ``torch.compile``
+keep the torch path.
+
+A quantized model runs fused every step its torch path would run on the same kernels: every
+step for bf16-dot weights, steps of up to :data:`~nybble.kernels.cpu.weight_only.KERNEL_ROWS`
+tokens for weight-only ones (longer steps take the reference dequantization there); the
+projections are then the same kernel calls on either path, so the fused step only removes the
+torch ops between them. A dense model that is small (linear weights of at most
 :data:`SMALL_MODEL_BYTES`, which stay in the CPU's caches) runs every step fused, prefill and
 mixed steps too: each new token becomes a row of its own whose sequence length is its position
 + 1 (it attends to itself and what precedes it), the same causal rule the varlen prefill path
@@ -23,6 +33,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from nybble.kernels.cpu.qgemm_pack import QPacked
+from nybble.kernels.cpu.weight_only import KERNEL_ROWS, CpuWeight
 from nybble.kernels.interface import AttentionMetadata
 from nybble.models.linear import DenseLinear
 from nybble.models.protocols import CausalLMParts
@@ -37,9 +49,9 @@ SMALL_MODEL_BYTES = 4 * 2**20
 """Linear-weight bytes up to which a model runs every step fused (the bundled model: 0.9 MB)."""
 
 try:
-    from nybble.kernels.cpu.decoder import CpuDecoder
+    from nybble.kernels.cpu.decoder import MAX_PARTS, CpuDecoder
 except ImportError:  # pragma: no cover - an install without the compiled extension
-    CpuDecoder = None
+    CpuDecoder, MAX_PARTS = None, 0
 
 
 def _array(t: torch.Tensor | None) -> np.ndarray | None:
@@ -47,11 +59,42 @@ def _array(t: torch.Tensor | None) -> np.ndarray | None:
     return None if t is None else t.detach().contiguous().numpy()
 
 
-def _dense(module: torch.nn.Module) -> tuple[np.ndarray, np.ndarray | None] | None:
-    """``(weight, bias)`` of a dense float32 linear, or None."""
-    if not isinstance(module, DenseLinear) or module.weight.dtype != torch.float32:
+Weight = np.ndarray | list[QPacked] | list[CpuWeight]
+"""A projection's weight as the C step takes it: float32 ``[out, in]`` or packed parts."""
+
+
+def _packed(module: torch.nn.Module) -> QPacked | CpuWeight | None:
+    """The module's weight as packed for a CPU kernel (bf16-dot first), or None."""
+    packed = getattr(module, "cpu_packed", None)
+    return packed if packed is not None else getattr(module, "cpu_weight", None)
+
+
+def _float32_bias(module: torch.nn.Module) -> np.ndarray | None | bool:
+    """The module's bias as float32 numpy (None: no bias; False: not float32)."""
+    b = getattr(module, "bias", None)
+    if b is None:
         return None
-    return _array(module.weight), _array(module.bias)
+    return _array(b) if b.dtype == torch.float32 else False
+
+
+def _projection(module: torch.nn.Module) -> tuple[Weight, np.ndarray | None] | None:
+    """``(weight, bias)`` of a dense float32 linear or of a quantized one whose parts are all
+    packed for one CPU kernel (``cpu_packed`` or ``cpu_weight``), or None (the fused step
+    cannot take it)."""
+    bias = _float32_bias(module)
+    if bias is False:
+        return None
+    if isinstance(module, DenseLinear):
+        return (_array(module.weight), bias) if module.weight.dtype == torch.float32 else None
+    parts = list(getattr(module, "parts", [module]))
+    packed = [_packed(p) for p in parts]
+    if not packed or len(packed) > MAX_PARTS or any(q is None for q in packed):
+        return None
+    if len({type(q) for q in packed}) > 1:
+        return None   # parts on different kernels
+    if any(getattr(p, "bias", None) is not None for p in parts if p is not module):
+        return None   # a part with its own bias: not a layout the C step knows
+    return packed, bias
 
 
 class FusedCpuDecode:
@@ -62,11 +105,13 @@ class FusedCpuDecode:
     """
 
     def __init__(self, decoder: CpuDecoder, hidden_size: int,
-                 kv_caches: list[torch.Tensor], every_step: bool) -> None:
+                 kv_caches: list[torch.Tensor], every_step: bool,
+                 max_tokens: int | None = None) -> None:
         self.decoder = decoder
         self.hidden_size = hidden_size
         self.cache_ptrs = tuple(c.data_ptr() for c in kv_caches)
         self.every_step = every_step
+        self.max_tokens = max_tokens   # a fixed cap (weight-only quantized models), or None
 
     @classmethod
     def build(cls, model: CausalLMParts, kv_caches: list[torch.Tensor]
@@ -79,18 +124,33 @@ class FusedCpuDecode:
         why = _unfused_feature(model)
         if why:
             return None, f"{why} (the fused step computes a Llama block only)"
-        emb = model.embed_tokens.weight
-        if emb.device.type != "cpu" or emb.dtype != torch.float32:
-            return None, f"weights must be float32 on the CPU, got {emb.dtype} on {emb.device}"
+        norm = model.norm.weight
+        if norm.device.type != "cpu" or norm.dtype != torch.float32:
+            return None, f"weights must be float32 on the CPU, got {norm.dtype} on {norm.device}"
+        quant_embed = getattr(model, "quant_embed", None)
+        embed: Weight | QPacked | None
+        if quant_embed is not None:
+            embed = _packed(quant_embed)
+            if embed is None:
+                return None, "the quantized token embedding is not packed for a CPU kernel"
+        elif model.embed_tokens.weight.dtype != torch.float32:
+            return None, (f"weights must be float32 on the CPU, got "
+                          f"{model.embed_tokens.weight.dtype}")
+        else:
+            embed = _array(model.embed_tokens.weight)
         if any(c.dtype != torch.float32 or not c.is_contiguous() for c in kv_caches):
             return None, "the KV cache must be float32"
-        layers = []
+        layers, quantized, weight_only = [], False, isinstance(embed, CpuWeight)
         for i, layer in enumerate(model.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            parts = [_dense(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
-                                         mlp.down_proj)]
+            parts = [_projection(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                              mlp.down_proj)]
             if any(p is None for p in parts) or attn.kv_scale is not None:
-                return None, f"layer {i} has quantized or non-float32 projections"
+                return None, (f"layer {i} has projections that are neither float32 nor packed "
+                              f"for a CPU kernel (half precision, or a layout no kernel takes)")
+            quantized |= any(isinstance(p[0], list) for p in parts)
+            weight_only |= any(isinstance(p[0], list) and isinstance(p[0][0], CpuWeight)
+                               for p in parts)
             (qkv_w, qkv_b), (o_w, o_b), (gu_w, gu_b), (down_w, down_b) = parts
             layers.append([_array(layer.input_layernorm.weight), qkv_w, qkv_b, o_w, o_b,
                            _array(layer.post_attention_layernorm.weight), gu_w, gu_b, down_w,
@@ -100,9 +160,15 @@ class FusedCpuDecode:
         eps |= {layer.post_attention_layernorm.eps for layer in model.layers}
         if len(eps) != 1 or model.norm.eps not in eps:
             return None, "the norms' epsilons differ"
-        decoder = CpuDecoder(_array(emb), _array(model.norm.weight),
-                             _array(model.rotary_emb.cos_sin), layers, attn0.num_heads,
-                             attn0.num_kv_heads, eps.pop(), attn0.scale)
+        decoder = CpuDecoder(embed, _array(norm), _array(model.rotary_emb.cos_sin), layers,
+                             attn0.num_heads, attn0.num_kv_heads, eps.pop(), attn0.scale)
+        if weight_only:
+            return (cls(decoder, model.config.hidden_size, kv_caches, False, KERNEL_ROWS),
+                    f"fused C step (steps of up to {KERNEL_ROWS} tokens: weight-only quantized "
+                    f"projections)")
+        if quantized:
+            return (cls(decoder, model.config.hidden_size, kv_caches, True),
+                    "fused C step (every step: bf16-dot quantized projections)")
         linear_bytes = sum(a.nbytes for ly in layers for a in ly[1:10] if a is not None)
         every_step = linear_bytes <= SMALL_MODEL_BYTES
         return (cls(decoder, model.config.hidden_size, kv_caches, every_step),
@@ -113,8 +179,9 @@ class FusedCpuDecode:
                  kv_caches: list[torch.Tensor], meta: AttentionMetadata
                  ) -> torch.Tensor | None:
         """Final hidden states ``[T, hidden]`` float32 of the step (K/V written), or None
-        when it is not one this model runs fused: other caches than it was built for, or, for
-        a model that is not small, more than :data:`MAX_FUSED_TOKENS` tokens.
+        when it is not one this model runs fused: other caches than it was built for, or more
+        tokens than its cap (a dense model that is not small: :data:`MAX_FUSED_TOKENS`; a
+        weight-only quantized one: ``KERNEL_ROWS``).
 
         Raises:
             ValueError: an index out of range (token id, position, slot, block id); nothing
@@ -123,7 +190,8 @@ class FusedCpuDecode:
         tokens = input_ids.shape[0]
         if len(kv_caches) != len(self.cache_ptrs) or kv_caches[0].data_ptr() != self.cache_ptrs[0]:
             return None
-        if tokens > MAX_FUSED_TOKENS and not self.every_step:
+        cap = self.max_tokens if self.max_tokens is not None else MAX_FUSED_TOKENS
+        if tokens > cap and not self.every_step:
             return None
         tables = meta.block_tables.numpy()
         if meta.is_decode_only and tables.shape[0] == tokens:

@@ -4,8 +4,9 @@ A GGUF block type (:mod:`nybble.quant.gguf_blocks`) becomes a GPTQ-layout weight
 float32 group scales: ``qweight [K/pf, N]`` packed along K (docs/quant-formats.md §3.2),
 ``qzeros`` packed along N holding the type's fixed zero, and, for the types with a minimum
 (Q4_1/Q4_K/Q5_1/Q5_K), ``mins [G, N]`` float32 (``W = s * q + m``). So the GPU runs the
-Triton dequant-GEMM, the CPU the weight-only kernel where it takes the layout (not yet with
-minimums) and the reference dequantization otherwise, exactly as for a GPTQ checkpoint.
+Triton dequant-GEMM, the CPU the bf16-dot or the float32 weight-only kernel (both with the
+minimums) and the reference dequantization where neither takes the layout, exactly as for a
+GPTQ checkpoint.
 
 A fused projection (q/k/v, gate/up) whose shards have different GGUF types (llama-quantize's
 Q4_K_M puts some ``attn_v`` in Q6_K) is a :class:`GGUFLinear` of several parts, one per run

@@ -16,7 +16,7 @@ chosen by the model's ``cpu_activation_dtype`` (:class:`CpuPathLog` carries it):
   (:mod:`nybble.kernels.cpu.qgemm_pack`; 0.5 / 1 byte per weight plus float16 scales) for
   calls of any number of rows, decode and prefill;
 * ``float32`` (exact): the float32 weight-only kernel (:mod:`nybble.kernels.cpu.weight_only`)
-  for calls of up to ``MAX_ROWS`` tokens, the reference dequantization beyond.
+  for calls of up to ``KERNEL_ROWS`` tokens, the reference dequantization beyond.
 
 Float64 calls (the test oracle) and layouts a kernel cannot take use the reference
 dequantization. Each distinct choice is logged once per model. ``NYBBLE_CPU_WEIGHT_ONLY=0``
@@ -182,7 +182,7 @@ class QuantLinear(nn.Module):
             self.cpu_packed, choice = packed
         else:
             self.cpu_weight, why = cpu_weight_only.prepare(iw, self.weight_scales())
-            choice = (f"{why} up to {cpu_weight_only.MAX_ROWS} tokens, reference beyond"
+            choice = (f"{why} up to {cpu_weight_only.KERNEL_ROWS} tokens, reference beyond"
                       if self.cpu_weight is not None else f"reference ({why})")
         self.path_log.note(self._label(), choice)
 
@@ -196,7 +196,7 @@ class QuantLinear(nn.Module):
         if self.cpu_packed is not None and x2.device.type == "cpu" and x2.dtype != torch.float64:
             y = cpu_qgemm_pack.linear(x2, self.cpu_packed, self.bias)
         elif (self.cpu_weight is not None and x2.device.type == "cpu"
-                and x2.shape[0] <= cpu_weight_only.MAX_ROWS and x2.dtype != torch.float64):
+                and x2.shape[0] <= cpu_weight_only.KERNEL_ROWS and x2.dtype != torch.float64):
             y = cpu_weight_only.linear(x2, self.cpu_weight, self.bias)
         else:
             y = self._gemm(x2)

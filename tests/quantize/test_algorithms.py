@@ -136,7 +136,8 @@ def test_quant_linear_matches_float64_reference() -> None:
     t = pack_gptq(res, 8, v2=True)
     mod = GPTQLinear(64, 48, False, torch.float32, torch.device("cpu"), 8, 32, 0, False)
     mod.load_tensors(t)
-    x = torch.randn(3, 7, 64, generator=g)  # 21 rows > MAX_ROWS: the reference path
+    x = torch.randn(3, 90, 64, generator=g)  # 270 rows > KERNEL_ROWS: the reference path
+    assert 270 > cpu_weight_only.KERNEL_ROWS
     ref = x.double() @ (res.dequant.half().double()).t()
     torch.testing.assert_close(mod(x).double(), ref, atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(mod(x.double()), ref, atol=1e-12, rtol=0)

@@ -1,4 +1,5 @@
-/* A whole Llama-family decode step on the CPU in one call: float32 weights and KV cache.
+/* A whole Llama-family decode step on the CPU in one call: float32 KV cache, float32 or
+ * packed 4/8-bit (bf16-dot, qgemm.h) weights.
  *
  * For T sequences with one new token each: embedding row, then per layer RMSNorm -> fused
  * q/k/v projection (+ bias) -> RoPE (the model's cos/sin table, HF's rotate_half layout) ->
@@ -10,7 +11,15 @@
  * different summation order, and without the ~230 framework op dispatches a small model's
  * step costs there.
  *
- * Layouts: linear weights [out, in] row-major (torch's), biases [out] or NULL; the KV cache
+ * Each projection (nyb_proj) is either dense float32 (register-tiled dot products below) or
+ * one to NYB_MAX_PARTS packed 4/8-bit weights concatenated along the output features (a GGUF
+ * q/k/v whose shards have different block types), all of one kind: the bf16-dot kernel's
+ * (qgemm.h: activations rounded to bfloat16, float32 sums) or the float32 weight-only
+ * kernel's (wo_gemm.h: float32 activations and sums, the exact path).  The token embedding
+ * is a dense table or a packed weight [V, H] of either kind whose rows are dequantized one
+ * by one (nyb_qg_row, nyb_wo_row).
+ *
+ * Layouts: dense weights [out, in] row-major (torch's), biases [out] or NULL; the KV cache
  * [2, NB, BS, Hkv, D] C-contiguous; the RoPE table [P, 2, D] holds cos = [c, c] and
  * sin = [-s, s] per position, so rotated x[i] = x[i] cos[i] + x[(i + D/2) % D] sin[i].
  * An x86-64 AVX2+FMA copy of the code is chosen at run time when the CPU has it.
@@ -24,20 +33,37 @@
 #include <string.h>
 
 #include "cpu_features.h"
+#include "qgemm.h"
+#include "wo_gemm.h"
+
+#define NYB_MAX_PARTS 4
+
+/* One projection x [T, K] -> y [T, N]: dense (w != NULL) or `nparts` packed weights whose
+ * output features follow one another (their N sum to the projection's): bf16-dot ones
+ * (parts) or weight-only ones (wo). */
+typedef struct {
+    const float *w;                       /* [N, K] float32, or NULL: packed */
+    const float *b;                       /* [N] or NULL */
+    int nparts;
+    const nyb_qw *parts[NYB_MAX_PARTS];   /* bf16-dot parts, or NULL ... */
+    const nyb_wo_weight *wo[NYB_MAX_PARTS];  /* ... weight-only parts */
+} nyb_proj;
 
 typedef struct {
     const float *in_norm, *post_norm;  /* [H] */
-    const float *qkv_w, *qkv_b;        /* [(Hq + 2 Hkv) D, H], bias or NULL */
-    const float *o_w, *o_b;            /* [H, Hq D] */
-    const float *gu_w, *gu_b;          /* [2 FF, H] (gate rows first) */
-    const float *down_w, *down_b;      /* [H, FF] */
+    nyb_proj qkv;                      /* [(Hq + 2 Hkv) D, H] */
+    nyb_proj o;                        /* [H, Hq D] */
+    nyb_proj gu;                       /* [2 FF, H] (gate rows first) */
+    nyb_proj down;                     /* [H, FF] */
     float *kv_cache;                   /* [2, NB, BS, Hkv, D] */
 } nyb_layer;
 
 typedef struct {
     int64_t H, FF, Hq, Hkv, D, L, V, NB, BS, P;
     float eps, scale;
-    const float *embed;       /* [V, H] */
+    const float *embed;       /* [V, H], or NULL: embed_q */
+    const nyb_qw *embed_q;    /* packed [V, H] (K = H, N = V), or NULL */
+    const nyb_wo_weight *embed_wo;  /* packed [V, H] weight-only, or NULL */
     const float *final_norm;  /* [H] */
     const float *cos_sin;     /* [P, 2, D] */
     const nyb_layer *layers;  /* [L] */
@@ -93,6 +119,47 @@ NYB_INLINE void nyb_linear(const float *x, int64_t T, int64_t K, const float *W,
             nyb_store(y + t * ldy + n, s, b, n, acc);
         }
     }
+}
+
+/* out[k] = W[n, k], k < K: a weight-only packed table's row n dequantized (act order undone). */
+static inline void nyb_wo_row(const nyb_wo_weight *W, int64_t n, float *out) {
+    const int64_t jb = n / NYB_COLS, c = n % NYB_COLS;
+    for (int64_t k = 0; k < W->K; k++) {
+        const int64_t gi = (k / W->group) * W->Np + n;
+        float v = W->scales[gi] * (nyb_q(W, jb, k, (int)c) - W->zeros[gi]);
+        if (W->mins) v += W->mins[gi];
+        out[W->perm ? W->perm[k] : k] = v;
+    }
+}
+
+/* y (+)= x @ P^T + b for a projection of K inputs and N outputs; tmp: T * N floats (the
+ * weight-only kernel's output before it is added to y).  Returns 0, or -1 when a packed
+ * kernel runs out of memory (y may be partly written then). */
+NYB_INLINE int nyb_apply(const nyb_proj *P, const float *x, int64_t T, int64_t K, int64_t N,
+                         float *y, int64_t ldy, int acc, int portable, float *tmp) {
+    if (P->w) { nyb_linear(x, T, K, P->w, P->b, N, y, ldy, acc); return 0; }
+    int64_t off = 0;
+    if (P->wo[0]) {
+        float *dst = acc ? tmp : y;
+        const int64_t ld = acc ? N : ldy;
+        for (int i = 0; i < P->nparts; i++) {
+            if (nyb_wo_gemm(P->wo[i], x, T, K, dst + off, ld, portable)) return -1;
+            off += P->wo[i]->N;
+        }
+        for (int64_t t = 0; t < T; t++) {
+            float *yt = y + t * ldy;
+            const float *st = dst + t * ld;
+            for (int64_t n = 0; n < N; n++)
+                yt[n] = (acc ? yt[n] + st[n] : st[n]) + (P->b ? P->b[n] : 0.0f);
+        }
+        return 0;
+    }
+    for (int i = 0; i < P->nparts; i++) {
+        if (nyb_qgemm(P->parts[i], x, T, K, y + off, ldy, P->b ? P->b + off : NULL, acc,
+                      portable)) return -1;
+        off += P->parts[i]->N;
+    }
+    return 0;
 }
 
 /* e^x in float32 within ~2 ulp for x in [-87, 88] (Cephes' expf: 2^n times a degree-7
@@ -171,20 +238,24 @@ NYB_INLINE void nyb_attend(const nyb_decoder *M, const float *keys, const float 
     }
 }
 
-NYB_INLINE void nyb_decode_body(const nyb_decoder *M, int64_t T, const int64_t *ids,
-                                const int64_t *pos, const int64_t *slots,
-                                const int32_t *tables, int64_t MB, const int32_t *seq_lens,
-                                float *out, float *buf) {
+NYB_INLINE int nyb_decode_body(const nyb_decoder *M, int64_t T, const int64_t *ids,
+                               const int64_t *pos, const int64_t *slots,
+                               const int32_t *tables, int64_t MB, const int32_t *seq_lens,
+                               float *out, float *buf, int portable) {
     const int64_t H = M->H, FF = M->FF, D = M->D, Hq = M->Hq, Hkv = M->Hkv;
     const int64_t QKV = (Hq + 2 * Hkv) * D, cache_half = M->NB * M->BS * Hkv * D;
     float *h = buf, *xn = h + T * H, *qkv = xn + T * H, *att = qkv + T * QKV;
-    float *gu = att + T * Hq * D, *act = gu + T * 2 * FF, *tmp = act + T * FF, *work = tmp + D;
-    for (int64_t t = 0; t < T; t++)
-        memcpy(h + t * H, M->embed + ids[t] * H, sizeof(float) * (size_t)H);
+    float *gu = att + T * Hq * D, *act = gu + T * 2 * FF, *tmp = act + T * FF, *wtmp = tmp + D;
+    float *work = wtmp + T * H;   /* wtmp: the residual projections' outputs (N = H) */
+    for (int64_t t = 0; t < T; t++) {
+        if (M->embed) memcpy(h + t * H, M->embed + ids[t] * H, sizeof(float) * (size_t)H);
+        else if (M->embed_q) nyb_qg_row(M->embed_q, ids[t], h + t * H);
+        else nyb_wo_row(M->embed_wo, ids[t], h + t * H);
+    }
     for (int64_t l = 0; l < M->L; l++) {
         const nyb_layer *ly = M->layers + l;
         nyb_rms_norm(h, T, H, ly->in_norm, M->eps, xn);
-        nyb_linear(xn, T, H, ly->qkv_w, ly->qkv_b, QKV, qkv, QKV, 0);
+        if (nyb_apply(&ly->qkv, xn, T, H, QKV, qkv, QKV, 0, portable, wtmp)) return -1;
         for (int64_t t = 0; t < T; t++) {
             float *qt = qkv + t * QKV, *kt = qt + Hq * D, *vt = kt + Hkv * D;
             nyb_rope(qt, Hq + Hkv, D, M->cos_sin + pos[t] * 2 * D, tmp);  /* q and k */
@@ -197,39 +268,41 @@ NYB_INLINE void nyb_decode_body(const nyb_decoder *M, int64_t T, const int64_t *
         for (int64_t t = 0; t < T; t++)
             nyb_attend(M, ly->kv_cache, ly->kv_cache + cache_half, tables + t * MB,
                        seq_lens[t], qkv + t * QKV, att + t * Hq * D, work);
-        nyb_linear(att, T, Hq * D, ly->o_w, ly->o_b, H, h, H, 1);
+        if (nyb_apply(&ly->o, att, T, Hq * D, H, h, H, 1, portable, wtmp)) return -1;
         nyb_rms_norm(h, T, H, ly->post_norm, M->eps, xn);
-        nyb_linear(xn, T, H, ly->gu_w, ly->gu_b, 2 * FF, gu, 2 * FF, 0);
+        if (nyb_apply(&ly->gu, xn, T, H, 2 * FF, gu, 2 * FF, 0, portable, wtmp)) return -1;
         for (int64_t t = 0; t < T; t++) {  /* SiLU(gate) * up */
             const float *g = gu + t * 2 * FF;
             float *a = act + t * FF;
             for (int64_t i = 0; i < FF; i++) a[i] = g[i] / (1.0f + nyb_expf(-g[i])) * g[FF + i];
         }
-        nyb_linear(act, T, FF, ly->down_w, ly->down_b, H, h, H, 1);
+        if (nyb_apply(&ly->down, act, T, FF, H, h, H, 1, portable, wtmp)) return -1;
     }
     nyb_rms_norm(h, T, H, M->final_norm, M->eps, out);
+    return 0;
 }
 
 #ifdef NYB_X86_AVX2
-static __attribute__((target("avx2,fma"))) void nyb_decode_avx2(
+static __attribute__((target("avx2,fma"))) int nyb_decode_avx2(
         const nyb_decoder *M, int64_t T, const int64_t *ids, const int64_t *pos,
         const int64_t *slots, const int32_t *tables, int64_t MB, const int32_t *seq_lens,
         float *out, float *buf) {
-    nyb_decode_body(M, T, ids, pos, slots, tables, MB, seq_lens, out, buf);
+    return nyb_decode_body(M, T, ids, pos, slots, tables, MB, seq_lens, out, buf, 0);
 }
 #endif
 
 static int nyb_decoder_avx2(void) { return nyb_cpu_has_avx2_fma(); }
 
-static void nyb_decode_portable(const nyb_decoder *M, int64_t T, const int64_t *ids,
-                                const int64_t *pos, const int64_t *slots,
-                                const int32_t *tables, int64_t MB, const int32_t *seq_lens,
-                                float *out, float *buf) {
-    nyb_decode_body(M, T, ids, pos, slots, tables, MB, seq_lens, out, buf);
+static int nyb_decode_portable(const nyb_decoder *M, int64_t T, const int64_t *ids,
+                               const int64_t *pos, const int64_t *slots,
+                               const int32_t *tables, int64_t MB, const int32_t *seq_lens,
+                               float *out, float *buf) {
+    return nyb_decode_body(M, T, ids, pos, slots, tables, MB, seq_lens, out, buf, 1);
 }
 
-/* Check the step's indices, then run it.  Returns 0; -1 no memory; -2 an index out of range
- * (a token id, position, slot, sequence length or block id), with nothing written. */
+/* Check the step's indices, then run it.  Returns 0; -1 no memory (the KV cache may hold
+ * some of the step's writes then); -2 an index out of range (a token id, position, slot,
+ * sequence length or block id), with nothing written. */
 static int nyb_decode_forward(const nyb_decoder *M, int64_t T, const int64_t *ids,
                               const int64_t *pos, const int64_t *slots, const int32_t *tables,
                               int64_t MB, const int32_t *seq_lens, float *out, int portable) {
@@ -243,18 +316,19 @@ static int nyb_decode_forward(const nyb_decoder *M, int64_t T, const int64_t *id
         if (seq_lens[t] > longest) longest = seq_lens[t];
     }
     const int64_t QKV = (M->Hq + 2 * M->Hkv) * M->D;
-    const size_t floats = (size_t)(T * (2 * M->H + QKV + M->Hq * M->D + 3 * M->FF) + M->D
+    const size_t floats = (size_t)(T * (3 * M->H + QKV + M->Hq * M->D + 3 * M->FF) + M->D
                                    + M->Hq * longest);
     float *buf = (float *)malloc(sizeof(float) * floats);
     if (buf == NULL) return -1;
+    int rc;
 #ifdef NYB_X86_AVX2
     if (!portable && nyb_decoder_avx2())
-        nyb_decode_avx2(M, T, ids, pos, slots, tables, MB, seq_lens, out, buf);
+        rc = nyb_decode_avx2(M, T, ids, pos, slots, tables, MB, seq_lens, out, buf);
     else
 #endif
-        nyb_decode_portable(M, T, ids, pos, slots, tables, MB, seq_lens, out, buf);
+        rc = nyb_decode_portable(M, T, ids, pos, slots, tables, MB, seq_lens, out, buf);
     free(buf);
-    return 0;
+    return rc;
 }
 
 #endif

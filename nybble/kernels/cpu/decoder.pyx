@@ -2,37 +2,55 @@
 """A Llama-family decoder's whole decode step on the CPU in one call (the C code and its
 layouts: ``decoder.h``).
 
-Built once per model and KV-cache pool from numpy views of the float32 weights and caches
-(``tensor.numpy()`` shares memory, so later writes to the cache are seen); each step then
-takes the token ids, positions, slot mapping, block tables and sequence lengths and writes the
-final hidden states. Torch-free. The GIL is released while the step runs.
+Built once per model and KV-cache pool from numpy views of the weights and caches
+(``tensor.numpy()`` shares memory, so later writes to the cache are seen): float32 arrays, or
+for a quantized model packed weights of either CPU kernel, bf16-dot
+(:class:`nybble.kernels.cpu.qgemm_pack.QPacked`, ``qgemm.h``) or float32 weight-only
+(:class:`nybble.kernels.cpu.weight_only.CpuWeight`, ``wo_gemm.h``). Each step then takes the token ids, positions, slot mapping, block
+tables and sequence lengths and writes the final hidden states. Torch-free. The GIL is
+released while the step runs.
 """
-from libc.stdint cimport int32_t, int64_t
+from libc.stdint cimport int32_t
 from libc.stdlib cimport free, malloc
 
-cimport numpy as cnp
-import numpy as np
+include "qgemm_struct.pxi"
 
 cnp.import_array()
 
 
+cdef extern from "wo_gemm.h" nogil:
+    ctypedef struct nyb_wo_weight:
+        int bits
+        int64_t K, N, Np, group, G
+        const void *w
+        const float *scales
+        const float *zeros
+        const float *mins
+        const int64_t *perm
+
+
 cdef extern from "decoder.h" nogil:
+    enum: NYB_MAX_PARTS
+    ctypedef struct nyb_proj:
+        const float *w
+        const float *b
+        int nparts
+        const nyb_qw *parts[NYB_MAX_PARTS]
+        const nyb_wo_weight *wo[NYB_MAX_PARTS]
     ctypedef struct nyb_layer:
         const float *in_norm
         const float *post_norm
-        const float *qkv_w
-        const float *qkv_b
-        const float *o_w
-        const float *o_b
-        const float *gu_w
-        const float *gu_b
-        const float *down_w
-        const float *down_b
+        nyb_proj qkv
+        nyb_proj o
+        nyb_proj gu
+        nyb_proj down
         float *kv_cache
     ctypedef struct nyb_decoder:
         int64_t H, FF, Hq, Hkv, D, L, V, NB, BS, P
         float eps, scale
         const float *embed
+        const nyb_qw *embed_q
+        const nyb_wo_weight *embed_wo
         const float *final_norm
         const float *cos_sin
         const nyb_layer *layers
@@ -43,7 +61,10 @@ cdef extern from "decoder.h" nogil:
 
 LAYER_FIELDS = ("in_norm", "qkv_w", "qkv_b", "o_w", "o_b", "post_norm", "gu_w", "gu_b",
                 "down_w", "down_b", "kv_cache")
-"""The per-layer arrays :class:`CpuDecoder` takes, in order (biases may be None)."""
+"""The per-layer arrays :class:`CpuDecoder` takes, in order (biases may be None; a ``*_w`` is a
+float32 array or a list of packed parts)."""
+MAX_PARTS = NYB_MAX_PARTS
+"""Most packed parts one projection may have (their output features concatenated)."""
 
 
 def have_avx2() -> bool:
@@ -63,29 +84,103 @@ cdef const float *_ptr(object a, tuple shape, str name) except? NULL:
     return <const float *> cnp.PyArray_DATA(<cnp.ndarray> a)
 
 
+cdef int _fill_wo(nyb_wo_weight *W, object p) except -1:
+    """Point ``W`` at the arrays of ``p`` (a ``nybble.kernels.cpu.weight_only.CpuWeight``)."""
+    cdef int64_t k = p.in_features, n = p.out_features, gs = p.group_size
+    if p.bits not in (4, 8) or gs < 1 or n < 1:
+        raise ValueError(f"bits must be 4 or 8 and group_size positive, got {p.bits}, {gs}")
+    W.bits, W.K, W.N, W.group = p.bits, k, n, gs
+    W.G = (k + gs - 1) // gs
+    W.Np = (n + 31) // 32 * 32
+    W.w = _qarr(p.packed, np.uint8, (W.Np * k * p.bits // 8,), "packed")
+    W.scales = <const float *> _qarr(p.scales, np.float32, (W.G, W.Np), "scales")
+    W.zeros = <const float *> _qarr(p.zeros, np.float32, (W.G, W.Np), "zeros")
+    W.mins = <const float *> (NULL if p.mins is None else
+                              _qarr(p.mins, np.float32, (W.G, W.Np), "mins"))
+    W.perm = <const int64_t *> (NULL if p.perm is None else
+                                _qarr(p.perm, np.int64, (k,), "perm"))
+    return 0
+
+
+def _is_wo(p) -> bool:
+    """A weight-only packed weight (``CpuWeight``: it has zeros), not a bf16-dot one."""
+    return hasattr(p, "zeros")
+
+
+def _features(w) -> tuple[int, int]:
+    """``(out, in)`` features of a projection given as a float32 array or packed parts."""
+    if isinstance(w, np.ndarray):
+        return w.shape[0], w.shape[1]
+    return sum(p.out_features for p in w), w[0].in_features
+
+
 cdef class CpuDecoder:
     """The decode step of one model over one KV-cache pool.
 
     Args:
-        embed: ``[V, H]``. final_norm: ``[H]``. cos_sin: ``[P, 2, D]`` RoPE table.
+        embed: ``[V, H]`` float32, or a ``QPacked`` / ``CpuWeight`` of ``V`` output features
+            and ``H`` inputs (rows dequantized as they are looked up).
+        final_norm: ``[H]``. cos_sin: ``[P, 2, D]`` RoPE table.
         layers: per layer, the arrays of :data:`LAYER_FIELDS`: norms ``[H]``, ``qkv_w
             [(Hq + 2 Hkv) D, H]``, ``o_w [H, Hq D]``, ``gu_w [2 I, H]``, ``down_w [H, I]``,
-            biases ``[out]`` or None, ``kv_cache [2, NB, BS, Hkv, D]``; all float32,
-            C-contiguous.
+            biases ``[out]`` or None, ``kv_cache [2, NB, BS, Hkv, D]``; float32,
+            C-contiguous. Each ``*_w`` may instead be a list of 1 to :data:`MAX_PARTS`
+            packed weights of one kind (all ``QPacked`` or all ``CpuWeight``) of the same
+            inputs whose outputs, concatenated, are the projection's.
         num_heads, num_kv_heads: ``Hq``, ``Hkv`` (``Hq % Hkv == 0``). eps: RMSNorm epsilon.
         scale: the attention's softmax scale.
 
     Raises:
-        ValueError: an array of the wrong dtype, shape or layout, or heads that do not
-            divide.
+        ValueError: an array of the wrong dtype, shape or layout, packed parts that do not
+            add up to the projection, or heads that do not divide.
     """
 
     cdef nyb_decoder model
     cdef nyb_layer *layers
+    cdef nyb_qw *packed
+    cdef nyb_wo_weight *wo
+    cdef int npacked, nwo
     cdef list keep
 
     def __cinit__(self):
         self.layers = NULL
+        self.packed = NULL
+        self.wo = NULL
+        self.npacked = self.nwo = 0
+
+    cdef int _proj(self, nyb_proj *P, object w, object b, int64_t n, int64_t k,
+                   str name) except -1:
+        """Point ``P`` at ``w`` (float32 ``[n, k]`` or packed parts) and ``b`` (``[n]``)."""
+        P.b = _ptr(b, (n,), f"{name} bias")
+        P.nparts = 0
+        P.w = NULL
+        if isinstance(w, np.ndarray):
+            P.w = _ptr(w, (n, k), name)
+            return 0
+        parts = list(w)
+        if not 1 <= len(parts) <= NYB_MAX_PARTS:
+            raise ValueError(f"{name} must be a float32 array or 1 to {NYB_MAX_PARTS} packed "
+                             f"parts, got {len(parts)}")
+        if any(p.in_features != k for p in parts) or sum(p.out_features for p in parts) != n:
+            raise ValueError(f"{name}'s packed parts must take {k} inputs and give {n} outputs "
+                             f"together, got {[(p.out_features, p.in_features) for p in parts]}")
+        wo = [_is_wo(p) for p in parts]
+        if any(wo) and not all(wo):
+            raise ValueError(f"{name}'s packed parts must all be of one kernel's layout")
+        cdef int i
+        for i in range(NYB_MAX_PARTS):
+            P.parts[i], P.wo[i] = NULL, NULL
+        for i in range(len(parts)):
+            if wo[i]:
+                _fill_wo(self.wo + self.nwo, parts[i])
+                P.wo[i] = self.wo + self.nwo
+                self.nwo += 1
+            else:
+                _fill_qw(self.packed + self.npacked, parts[i])
+                P.parts[i] = self.packed + self.npacked
+                self.npacked += 1
+        P.nparts = len(parts)
+        return 0
 
     def __init__(self, embed, final_norm, cos_sin, list layers, int num_heads,
                  int num_kv_heads, float eps, float scale):
@@ -94,15 +189,32 @@ cdef class CpuDecoder:
                              f"({num_kv_heads})")
         if not layers:
             raise ValueError("a decoder needs at least one layer, got 0")
-        v, h = embed.shape
+        v, h = (embed.shape if isinstance(embed, np.ndarray) else
+                (embed.out_features, embed.in_features))
         p, _, d = cos_sin.shape
-        inter = layers[0][8].shape[1]
+        inter = _features(layers[0][8])[1]
         cache = layers[0][10]
         m = &self.model
         m.H, m.FF, m.Hq, m.Hkv, m.D, m.L = h, inter, num_heads, num_kv_heads, d, len(layers)
         m.V, m.NB, m.BS, m.P = v, cache.shape[1], cache.shape[2], p
         m.eps, m.scale = eps, scale
-        m.embed = _ptr(embed, (v, h), "embed")
+        # every packed weight's nyb_qw: the embedding's and up to 4 per projection
+        cdef size_t most = 1 + 4 * NYB_MAX_PARTS * len(layers)
+        self.packed = <nyb_qw *> malloc(sizeof(nyb_qw) * most)
+        self.wo = <nyb_wo_weight *> malloc(sizeof(nyb_wo_weight) * most)
+        if self.packed == NULL or self.wo == NULL:
+            raise MemoryError("no memory for the decoder's packed-weight table")
+        m.embed, m.embed_q, m.embed_wo = NULL, NULL, NULL
+        if isinstance(embed, np.ndarray):
+            m.embed = _ptr(embed, (v, h), "embed")
+        elif _is_wo(embed):
+            _fill_wo(self.wo, embed)
+            m.embed_wo = self.wo
+            self.nwo = 1
+        else:
+            _fill_qw(self.packed, embed)
+            m.embed_q = self.packed
+            self.npacked = 1
         m.final_norm = _ptr(final_norm, (h,), "final_norm")
         m.cos_sin = _ptr(cos_sin, (p, 2, d), "cos_sin")
         self.keep = [embed, final_norm, cos_sin, layers]
@@ -121,20 +233,18 @@ cdef class CpuDecoder:
             ly = self.layers + i
             ly.in_norm = _ptr(a["in_norm"], (h,), f"layer {i} in_norm")
             ly.post_norm = _ptr(a["post_norm"], (h,), f"layer {i} post_norm")
-            ly.qkv_w = _ptr(a["qkv_w"], (qkv, h), f"layer {i} qkv_w")
-            ly.qkv_b = _ptr(a["qkv_b"], (qkv,), f"layer {i} qkv_b")
-            ly.o_w = _ptr(a["o_w"], (h, num_heads * d), f"layer {i} o_w")
-            ly.o_b = _ptr(a["o_b"], (h,), f"layer {i} o_b")
-            ly.gu_w = _ptr(a["gu_w"], (2 * inter, h), f"layer {i} gu_w")
-            ly.gu_b = _ptr(a["gu_b"], (2 * inter,), f"layer {i} gu_b")
-            ly.down_w = _ptr(a["down_w"], (h, inter), f"layer {i} down_w")
-            ly.down_b = _ptr(a["down_b"], (h,), f"layer {i} down_b")
+            self._proj(&ly.qkv, a["qkv_w"], a["qkv_b"], qkv, h, f"layer {i} qkv_w")
+            self._proj(&ly.o, a["o_w"], a["o_b"], h, num_heads * d, f"layer {i} o_w")
+            self._proj(&ly.gu, a["gu_w"], a["gu_b"], 2 * inter, h, f"layer {i} gu_w")
+            self._proj(&ly.down, a["down_w"], a["down_b"], h, inter, f"layer {i} down_w")
             ly.kv_cache = <float *> _ptr(a["kv_cache"], (2, m.NB, m.BS, num_kv_heads, d),
                                          f"layer {i} kv_cache")
         m.layers = self.layers
 
     def __dealloc__(self):
         free(self.layers)
+        free(self.packed)
+        free(self.wo)
 
     def forward(self, const int64_t[::1] input_ids, const int64_t[::1] positions,
                 const int64_t[::1] slot_mapping, const int32_t[:, ::1] block_tables,
@@ -151,7 +261,8 @@ cdef class CpuDecoder:
         Raises:
             ValueError: arrays of different lengths, or an index out of range (token id,
                 position, slot, sequence length, block id); nothing is written then.
-            MemoryError: no memory for the step's scratch space.
+            MemoryError: no memory for the step's scratch space (the KV cache may hold some
+                of the step's writes then).
         """
         cdef int64_t t = input_ids.shape[0]
         if t < 1 or positions.shape[0] != t or slot_mapping.shape[0] != t \

@@ -129,6 +129,20 @@ static inline int nyb_qg_q(const nyb_qw *W, int64_t k, int64_t n) {
     return blk[b];
 }
 
+/* out[k] = W[n, k] for k < K: one output feature's weights dequantized (a packed token
+ * embedding's row n), in the original input order (act order undone). */
+static inline void nyb_qg_row(const nyb_qw *W, int64_t n, float *out) {
+    for (int64_t k = 0; k < W->K; k++) {
+        const int64_t gi = (k / W->group) * W->Np + n;
+        const float s = nyb_qg_scale(W, gi), q = (float)nyb_qg_q(W, k, n);
+        float v;
+        if (W->mode == NYB_QG_ZERO) v = s * (q - (float)W->zq[gi]);
+        else if (W->mode == NYB_QG_MIN) v = s * q + W->mo[gi];
+        else v = s * q;
+        out[W->perm ? W->perm[k] : k] = v;
+    }
+}
+
 /* Each row of x rounded to bf16 (in the weight's row order) and the per-group sums of the
  * rounded values: xb [M, K] bf16 bits, sx [M, G]. */
 static void nyb_qg_round(const nyb_qw *W, const float *x, int64_t M, int64_t ldx,

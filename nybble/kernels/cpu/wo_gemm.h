@@ -1,7 +1,8 @@
 /* Weight-only INT4/INT8 GEMM for the CPU: y[M, N] = x[M, K] @ W^T, W dequantized on the fly.
  *
- * W[n, k] = s[g, n] * (q[k, n] - z[g, n]) with g = k / group (after the act-order permutation
- * that makes groups contiguous, applied to x here).  float32 activations, float32
+ * W[n, k] = s[g, n] * (q[k, n] - z[g, n]) (+ m[g, n]) with g = k / group (after the act-order
+ * permutation that makes groups contiguous, applied to x here); the float per-group minimum m
+ * is GGUF Q4_1/Q4_K/Q5_1/Q5_K's (y = d q + m), added as m * sum(x over the group).  float32 activations, float32
  * accumulation; the weight is read once per call in its packed form, which is what makes a
  * memory-bound decode step faster than with float32 weights.
  *
@@ -10,9 +11,10 @@
  * one call streams every block from start to end:
  *   int4: w4[(jb * K + k) * 4 + i]  uint32; nibble t (bits 4t..4t+3) is q[k, 32 jb + 8 i + t]
  *   int8: w8[(jb * K + k) * 32 + c] int8 = q[k, 32 jb + c] - 128
- *   scales[g * Np + n], zeros[g * Np + n]: float32 s and z (int8: z - 128, so w = q8 - z').
+ *   scales[g * Np + n], zeros[g * Np + n]: float32 s and z (int8: z - 128, so w = q8 - z');
+ *   mins[g * Np + n]: float32 m, or NULL (no minimum).
  *
- * Two ways through a block of 32 columns:
+ * Two ways through a block of 32 columns (rows in chunks of NYB_MAX_ROWS):
  *   M == 1: the integers times x are summed per group, then y += s * (acc - z * sum_k x):
  *           unpack (shift, mask, convert) and one FMA per 8 weights.
  *   M >= 2: a group of the block is unpacked once to float (q - z) in a scratch tile, then
@@ -41,6 +43,7 @@ typedef struct {
     const void *w;         /* packed weight, layout above */
     const float *scales;   /* [G, Np] */
     const float *zeros;    /* [G, Np] */
+    const float *mins;     /* [G, Np] or NULL */
     const int64_t *perm;   /* [K] input order (act order) or NULL */
 } nyb_wo_weight;
 
@@ -61,11 +64,22 @@ static void nyb_block_portable(const nyb_wo_weight *W, const float *x, const flo
         const int64_t ks = g * group, ke = ks + group < K ? ks + group : K;
         const float *s = W->scales + g * W->Np + jb * NYB_COLS;
         const float *z = W->zeros + g * W->Np + jb * NYB_COLS;
-        if (M == 1) {
-            float acc[NYB_COLS] = {0};
-            for (int64_t k = ks; k < ke; k++)
+        const float *mn = W->mins ? W->mins + g * W->Np + jb * NYB_COLS : NULL;
+        if (M == 1) {   /* even and odd k summed apart, then added (as the AVX2 loop) */
+            float acc[NYB_COLS] = {0}, odd[NYB_COLS] = {0};
+            int64_t k = ks;
+            for (; k + 2 <= ke; k += 2)
+                for (int c = 0; c < NYB_COLS; c++) {
+                    acc[c] += x[k] * nyb_q(W, jb, k, c);
+                    odd[c] += x[k + 1] * nyb_q(W, jb, k + 1, c);
+                }
+            for (; k < ke; k++)
                 for (int c = 0; c < NYB_COLS; c++) acc[c] += x[k] * nyb_q(W, jb, k, c);
-            for (int c = 0; c < NYB_COLS; c++) yt[c] += s[c] * (acc[c] - z[c] * xs[g]);
+            for (int c = 0; c < NYB_COLS; c++) acc[c] += odd[c];
+            for (int c = 0; c < NYB_COLS; c++) {
+                yt[c] += s[c] * (acc[c] - z[c] * xs[g]);
+                if (mn) yt[c] += mn[c] * xs[g];
+            }
             continue;
         }
         for (int64_t k = ks; k < ke; k++)
@@ -76,7 +90,10 @@ static void nyb_block_portable(const nyb_wo_weight *W, const float *x, const flo
             for (int64_t k = ks; k < ke; k++)
                 for (int c = 0; c < NYB_COLS; c++)
                     acc[c] += x[m * K + k] * tile[(k - ks) * NYB_COLS + c];
-            for (int c = 0; c < NYB_COLS; c++) yt[m * NYB_COLS + c] += s[c] * acc[c];
+            for (int c = 0; c < NYB_COLS; c++) {
+                yt[m * NYB_COLS + c] += s[c] * acc[c];
+                if (mn) yt[m * NYB_COLS + c] += mn[c] * xs[m * W->G + g];
+            }
         }
     }
 }
@@ -96,11 +113,11 @@ static inline NYB_AVX2 __m256 nyb_unpack8(const int8_t *wk, int i) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
 }
 
-/* yt[r, :] += s * (x[r, :L] @ tile[L, 32]) for ROWS rows (a constant after inlining, so the
- * 4 * ROWS accumulators stay in registers). */
+/* yt[r, :] += s * (x[r, :L] @ tile[L, 32]) (+ mn * xs[r * G]) for ROWS rows (a constant after
+ * inlining, so the 4 * ROWS accumulators stay in registers); mn NULL: no minimum. */
 static inline __attribute__((always_inline)) NYB_AVX2 void nyb_rows_avx2(
-        const float *tile, int64_t L, const float *x, int64_t ldx, const float *s, float *yt,
-        const int ROWS) {
+        const float *tile, int64_t L, const float *x, int64_t ldx, const float *s,
+        const float *mn, const float *xs, int64_t G, float *yt, const int ROWS) {
     __m256 acc[3][4];
     for (int r = 0; r < ROWS; r++)
         for (int i = 0; i < 4; i++) acc[r][i] = _mm256_setzero_ps();
@@ -119,8 +136,9 @@ static inline __attribute__((always_inline)) NYB_AVX2 void nyb_rows_avx2(
     for (int r = 0; r < ROWS; r++)
         for (int i = 0; i < 4; i++) {
             float *y = yt + r * NYB_COLS + 8 * i;
-            _mm256_storeu_ps(y, _mm256_fmadd_ps(_mm256_loadu_ps(s + 8 * i), acc[r][i],
-                                                _mm256_loadu_ps(y)));
+            __m256 v = _mm256_fmadd_ps(_mm256_loadu_ps(s + 8 * i), acc[r][i], _mm256_loadu_ps(y));
+            if (mn) v = _mm256_fmadd_ps(_mm256_loadu_ps(mn + 8 * i), _mm256_set1_ps(xs[r * G]), v);
+            _mm256_storeu_ps(y, v);
         }
 }
 
@@ -135,10 +153,27 @@ static NYB_AVX2 void nyb_block_avx2(const nyb_wo_weight *W, const float *x, cons
         const int64_t ks = g * group, ke = ks + group < K ? ks + group : K;
         const float *s = W->scales + g * W->Np + jb * NYB_COLS;
         const float *z = W->zeros + g * W->Np + jb * NYB_COLS;
+        const float *mn = W->mins ? W->mins + g * W->Np + jb * NYB_COLS : NULL;
         if (M == 1) {
+            /* two sets of four sums (even and odd k), so eight FMA chains hide the FMA
+             * latency; added together at the end of the group */
             __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+            int64_t k = ks;
             if (W->bits == 4) {
-                for (int64_t k = ks; k < ke; k++) {
+                for (; k + 2 <= ke; k += 2) {
+                    const __m256 xv = _mm256_broadcast_ss(x + k), xw = _mm256_broadcast_ss(x + k + 1);
+                    const uint32_t *wk = w4 + k * 4, *wl = wk + 4;
+                    a0 = _mm256_fmadd_ps(nyb_unpack4(wk, 0, shifts, mask), xv, a0);
+                    a1 = _mm256_fmadd_ps(nyb_unpack4(wk, 1, shifts, mask), xv, a1);
+                    a2 = _mm256_fmadd_ps(nyb_unpack4(wk, 2, shifts, mask), xv, a2);
+                    a3 = _mm256_fmadd_ps(nyb_unpack4(wk, 3, shifts, mask), xv, a3);
+                    b0 = _mm256_fmadd_ps(nyb_unpack4(wl, 0, shifts, mask), xw, b0);
+                    b1 = _mm256_fmadd_ps(nyb_unpack4(wl, 1, shifts, mask), xw, b1);
+                    b2 = _mm256_fmadd_ps(nyb_unpack4(wl, 2, shifts, mask), xw, b2);
+                    b3 = _mm256_fmadd_ps(nyb_unpack4(wl, 3, shifts, mask), xw, b3);
+                }
+                for (; k < ke; k++) {
                     const __m256 xv = _mm256_broadcast_ss(x + k);
                     const uint32_t *wk = w4 + k * 4;
                     a0 = _mm256_fmadd_ps(nyb_unpack4(wk, 0, shifts, mask), xv, a0);
@@ -147,7 +182,19 @@ static NYB_AVX2 void nyb_block_avx2(const nyb_wo_weight *W, const float *x, cons
                     a3 = _mm256_fmadd_ps(nyb_unpack4(wk, 3, shifts, mask), xv, a3);
                 }
             } else {
-                for (int64_t k = ks; k < ke; k++) {
+                for (; k + 2 <= ke; k += 2) {
+                    const __m256 xv = _mm256_broadcast_ss(x + k), xw = _mm256_broadcast_ss(x + k + 1);
+                    const int8_t *wk = w8 + k * NYB_COLS, *wl = wk + NYB_COLS;
+                    a0 = _mm256_fmadd_ps(nyb_unpack8(wk, 0), xv, a0);
+                    a1 = _mm256_fmadd_ps(nyb_unpack8(wk, 1), xv, a1);
+                    a2 = _mm256_fmadd_ps(nyb_unpack8(wk, 2), xv, a2);
+                    a3 = _mm256_fmadd_ps(nyb_unpack8(wk, 3), xv, a3);
+                    b0 = _mm256_fmadd_ps(nyb_unpack8(wl, 0), xw, b0);
+                    b1 = _mm256_fmadd_ps(nyb_unpack8(wl, 1), xw, b1);
+                    b2 = _mm256_fmadd_ps(nyb_unpack8(wl, 2), xw, b2);
+                    b3 = _mm256_fmadd_ps(nyb_unpack8(wl, 3), xw, b3);
+                }
+                for (; k < ke; k++) {
                     const __m256 xv = _mm256_broadcast_ss(x + k);
                     const int8_t *wk = w8 + k * NYB_COLS;
                     a0 = _mm256_fmadd_ps(nyb_unpack8(wk, 0), xv, a0);
@@ -157,11 +204,14 @@ static NYB_AVX2 void nyb_block_avx2(const nyb_wo_weight *W, const float *x, cons
                 }
             }
             const __m256 xsg = _mm256_set1_ps(xs[g]);
-            __m256 acc[4] = {a0, a1, a2, a3};
+            __m256 acc[4] = {_mm256_add_ps(a0, b0), _mm256_add_ps(a1, b1), _mm256_add_ps(a2, b2),
+                             _mm256_add_ps(a3, b3)};
             for (int i = 0; i < 4; i++) {
                 __m256 t = _mm256_fnmadd_ps(_mm256_loadu_ps(z + 8 * i), xsg, acc[i]);
-                _mm256_storeu_ps(yt + 8 * i, _mm256_fmadd_ps(_mm256_loadu_ps(s + 8 * i), t,
-                                                             _mm256_loadu_ps(yt + 8 * i)));
+                __m256 v = _mm256_fmadd_ps(_mm256_loadu_ps(s + 8 * i), t,
+                                           _mm256_loadu_ps(yt + 8 * i));
+                if (mn) v = _mm256_fmadd_ps(_mm256_loadu_ps(mn + 8 * i), xsg, v);
+                _mm256_storeu_ps(yt + 8 * i, v);
             }
             continue;
         }
@@ -174,22 +224,25 @@ static NYB_AVX2 void nyb_block_avx2(const nyb_wo_weight *W, const float *x, cons
             }
         }
         int64_t m0 = 0;
-        for (; m0 + 3 <= M; m0 += 3) nyb_rows_avx2(tile, ke - ks, x + m0 * K + ks, K, s,
+        for (; m0 + 3 <= M; m0 += 3) nyb_rows_avx2(tile, ke - ks, x + m0 * K + ks, K, s, mn,
+                                                   xs + m0 * W->G + g, W->G,
                                                    yt + m0 * NYB_COLS, 3);
-        for (; m0 < M; m0++) nyb_rows_avx2(tile, ke - ks, x + m0 * K + ks, K, s,
-                                           yt + m0 * NYB_COLS, 1);
+        for (; m0 < M; m0++) nyb_rows_avx2(tile, ke - ks, x + m0 * K + ks, K, s, mn,
+                                           xs + m0 * W->G + g, W->G, yt + m0 * NYB_COLS, 1);
     }
 }
 #endif
 
 static int nyb_have_avx2(void) { return nyb_cpu_has_avx2_fma(); }
 
-/* y[M, N] (row stride ldy) = x[M, K] (row stride ldx) @ W^T.  Returns 0, or -1 when M is
- * out of [1, NYB_MAX_ROWS] or memory runs out (y untouched then).  force_portable: 1 takes
- * the portable C loop even where AVX2 exists (tests compare the two). */
+/* y[M, N] (row stride ldy) = x[M, K] (row stride ldx) @ W^T, any M >= 1.  Each block of 32
+ * output columns runs over the rows in chunks of NYB_MAX_ROWS while it is in cache, so the
+ * packed weight is read from memory once per call.  Returns 0, or -1 when M < 1 or memory
+ * runs out (y untouched then).  force_portable: 1 takes the portable C loop even where AVX2
+ * exists (tests compare the two). */
 static int nyb_wo_gemm(const nyb_wo_weight *W, const float *x, int64_t M, int64_t ldx,
                        float *y, int64_t ldy, int force_portable) {
-    if (M < 1 || M > NYB_MAX_ROWS) return -1;
+    if (M < 1) return -1;
     const int64_t K = W->K;
     float *xp = (float *)malloc(sizeof(float) * (size_t)(M * K + M * W->G + W->group * NYB_COLS
                                                           + NYB_MAX_ROWS * NYB_COLS));
@@ -209,16 +262,19 @@ static int nyb_wo_gemm(const nyb_wo_weight *W, const float *x, int64_t M, int64_
     }
     const int avx2 = !force_portable && nyb_have_avx2();
     for (int64_t jb = 0; jb < W->Np / NYB_COLS; jb++) {
-        memset(yt, 0, sizeof(float) * (size_t)(M * NYB_COLS));
-#ifdef NYB_X86_AVX2
-        if (avx2) nyb_block_avx2(W, xp, xs, M, jb, yt, tile);
-        else
-#endif
-        nyb_block_portable(W, xp, xs, M, jb, yt, tile);
         const int64_t n0 = jb * NYB_COLS;
         const int64_t cols = W->N - n0 < NYB_COLS ? W->N - n0 : NYB_COLS;
-        for (int64_t m = 0; m < M; m++)
-            memcpy(y + m * ldy + n0, yt + m * NYB_COLS, sizeof(float) * (size_t)cols);
+        for (int64_t m0 = 0; m0 < M; m0 += NYB_MAX_ROWS) {
+            const int64_t rows = M - m0 < NYB_MAX_ROWS ? M - m0 : NYB_MAX_ROWS;
+            memset(yt, 0, sizeof(float) * (size_t)(rows * NYB_COLS));
+#ifdef NYB_X86_AVX2
+            if (avx2) nyb_block_avx2(W, xp + m0 * K, xs + m0 * W->G, rows, jb, yt, tile);
+            else
+#endif
+            nyb_block_portable(W, xp + m0 * K, xs + m0 * W->G, rows, jb, yt, tile);
+            for (int64_t m = 0; m < rows; m++)
+                memcpy(y + (m0 + m) * ldy + n0, yt + m * NYB_COLS, sizeof(float) * (size_t)cols);
+        }
     }
     free(xp);
     (void)avx2;

@@ -24,7 +24,7 @@ FIXTURES = [d for d in shared_folders("fixtures/quant/tiny-llama-*")
 
 
 def _random_weight(bits: int, k: int, n: int, gs: int, act_order: bool, sym: bool,
-                   seed: int) -> tuple[IntWeight, torch.Tensor]:
+                   seed: int, mins: bool = False) -> tuple[IntWeight, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     q = torch.randint(0, 1 << bits, (k, n), dtype=torch.int32, generator=g)
     groups = -(-k // gs)  # GPTQ allows a shorter last group
@@ -34,6 +34,9 @@ def _random_weight(bits: int, k: int, n: int, gs: int, act_order: bool, sym: boo
         z = torch.randint(0, 1 << bits, (groups, n), dtype=torch.int32, generator=g)
     s = (torch.rand(groups, n, generator=g) * 0.01 + 1e-3).half()
     gi = torch.randperm(k, generator=g) // gs if act_order else None
+    if mins:   # GGUF Q4_1/Q4_K: W = s q + m, float32 scales and minimums
+        m = -(torch.rand(groups, n, generator=g) * 0.05)
+        return IntWeight(q, z, gi, gs, bits, m), s.float()
     return IntWeight(q, z, gi, gs, bits), s
 
 
@@ -48,7 +51,10 @@ def _check_exact(x: torch.Tensor, iw: IntWeight, scales: torch.Tensor, y: torch.
     kernel's own float32 bound (<= 1 passes)."""
     k = iw.q.shape[0]
     g = torch.arange(k) // iw.group_size if iw.g_idx is None else iw.g_idx
-    w = scales.double()[g] * (iw.q.double() - iw.zero.double()[g])  # [K, N]
+    if iw.mins is None:
+        w = scales.double()[g] * (iw.q.double() - iw.zero.double()[g])  # [K, N]
+    else:
+        w = scales.double()[g] * iw.q.double() + iw.mins.double()[g]
     ref = x.double() @ w
     bound = cw.error_bound(x, iw, scales, reference_rounding=False)
     return float(((y.double() - ref).abs() / bound).max())
@@ -57,17 +63,21 @@ def _check_exact(x: torch.Tensor, iw: IntWeight, scales: torch.Tensor, y: torch.
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("gs,k,n", [(32, 128, 48), (128, 256, 64), (256, 512, 32),
                                     (512, 512, 16), (48, 96, 24), (32, 100, 72)])
-@pytest.mark.parametrize("act_order,sym", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("act_order,sym,mins", [(False, False, False), (True, False, False),
+                                                (False, True, False), (False, False, True)])
 def test_kernel_within_bound(bits: int, gs: int, k: int, n: int, act_order: bool,
-                             sym: bool) -> None:
+                             sym: bool, mins: bool) -> None:
     """Group sizes that do and do not divide K, N not a multiple of the 32-column block,
-    every row count the kernel's two ways take (1; 2-16 in threes and a remainder), the AVX2
-    and the portable loop."""
-    iw, s = _random_weight(bits, k, n, gs, act_order, sym, seed=bits * 1000 + gs + k)
+    every row count the kernel's two ways take (1; 2-16 in threes and a remainder; more
+    than 16 in chunks of 16 with a one-row or longer last chunk), GGUF's float minimums, the
+    AVX2 and the portable loop."""
+    iw, s = _random_weight(bits, k, n, gs, act_order, sym, seed=bits * 1000 + gs + k,
+                           mins=mins)
     w, why = cw.prepare(iw, s)
     assert w is not None, why
     assert (w.perm is not None) == (act_order and k > gs)  # one group: nothing to reorder
-    for rows in (1, 2, 4, 5, cw.MAX_ROWS):
+    assert (w.mins is not None) == mins
+    for rows in (1, 2, 4, 5, cw.MAX_ROWS, cw.MAX_ROWS + 1, 3 * cw.MAX_ROWS + 7):
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
         for portable in (False, True):
             y = cw.linear(x, w, None, portable=portable)
@@ -129,8 +139,9 @@ def test_bad_calls_raise_value_errors() -> None:
     assert w is not None
     with pytest.raises(ValueError, match=r"x must be \[M, 128\]"):
         cw.linear(torch.randn(2, 64), w, None)
-    with pytest.raises(ValueError, match="x must have 1..16 rows, got 17"):
-        cw.linear(torch.randn(cw.MAX_ROWS + 1, 128), w, None)
+    with pytest.raises(ValueError, match="x must have at least one row, got 0"):
+        cw.cpu_wo_gemm.wo_gemm(torch.randn(0, 128).numpy(), w.packed, 4, 32, 64, w.scales,
+                               w.zeros, None, torch.empty(0, 32).numpy())
     with pytest.raises(ValueError, match="packed must hold"):
         cw.cpu_wo_gemm.wo_gemm(torch.randn(1, 128).numpy(), w.packed[:-1], 4, 32, 64,
                                w.scales, w.zeros, None, torch.empty(1, 32).numpy())
@@ -152,7 +163,7 @@ def test_fixture_layers_take_the_kernels(d: str, caplog: pytest.LogCaptureFixtur
         assert m.cpu_weight is not None
         x = torch.randn(3, m.in_features, generator=g)
         assert 0 < _check(x, m.int_weight(), m.weight_scales(), m(x)) <= 1
-        long = torch.randn(cw.MAX_ROWS + 1, m.in_features, generator=g)  # reference path
+        long = torch.randn(cw.KERNEL_ROWS + 1, m.in_features, generator=g)  # reference path
         ref = long.double() @ m.dequantized_weight().double().t()
         torch.testing.assert_close(m(long).double(), ref, atol=1e-4, rtol=1e-4)
 

@@ -1,0 +1,130 @@
+"""The fused CPU step on quantized models (nybble.models.cpu_fused with packed projections):
+against the same model's torch path, whose quantized layers call the same CPU kernels, the
+final hidden states and KV-cache writes of a decode step and of a prefill chunk agree within
+float32 summation-order tolerance, for GGUF files written by llama.cpp (Q4_0, Q4_1 with float
+minimums, Q4_K_M with mixed-type fused projections, Q6_K, a quantized token embedding) and
+GPTQ / AWQ checkpoints written by their tools (act order, 8-bit), on the exact path (float32
+weight-only kernel) and, where the CPU has AVX-512 BF16, the bf16-dot one; greedy text through
+the engine equals the op-by-op path's."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from nybble import LLM, SamplingParams
+from nybble.config import ModelConfig
+from nybble.kernels.cpu.backend import CpuAttentionBackend
+from nybble.kernels.cpu.qgemm import have_bf16
+from nybble.kernels.cpu.weight_only import KERNEL_ROWS
+from nybble.models.loader import load_model
+from tests.conftest import shared_path
+
+from .test_cpu_fused import BLOCK, BLOCKS, _chunk_args, _decode_meta, _prefill
+
+GGUF = ["stories3m-Q4_0.gguf", "stories3m-Q4_1.gguf", "stories3m-Q4_K_M.gguf",
+        "stories3m-Q6_K.gguf"]
+GPTQ = ["tiny-llama-gptq-4bit-g32-actorder", "tiny-llama-awq-4bit-g32",
+        "tiny-llama-gptq-8bit-g32"]
+PATHS = ["float32"] + (["bfloat16"] if have_bf16() else [])
+
+
+def _path(name: str) -> str:
+    if name.endswith(".gguf"):
+        return os.path.join(shared_path("fixtures", "gguf"), name)
+    return os.path.join(shared_path("fixtures", "quant"), name)
+
+
+def _setup(name: str, activations: str):
+    cfg = ModelConfig(model=_path(name), dtype="float32", max_model_len=64, device="cpu",
+                      cpu_activation_dtype=activations)
+    model = load_model(cfg, CpuAttentionBackend(), torch.device("cpu")).model
+    attn = model.layers[0].self_attn
+    caches = [torch.zeros(2, BLOCKS, BLOCK, attn.num_kv_heads, attn.head_dim)
+              for _ in model.layers]
+    return model, caches
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, caches, torch_caches) -> None:
+    # the same kernels on both paths; norms, RoPE and attention sum in another order
+    # (measured: hidden states within 3e-6 of values up to 5, KV within 2e-6)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-5)
+    for c, tc in zip(caches, torch_caches):
+        torch.testing.assert_close(c, tc, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("activations", PATHS)
+@pytest.mark.parametrize("name", GGUF + GPTQ)
+def test_quantized_step_equals_the_torch_path(name: str, activations: str) -> None:
+    model, caches = _setup(name, activations)
+    _prefill(model, caches)
+    ids, pos, meta = _decode_meta()
+    torch_caches = [c.clone() for c in caches]
+    with torch.no_grad():
+        want = model(ids, pos, torch_caches, meta)      # not enabled yet: the torch path
+    why = model.enable_fused_cpu_decode(caches)
+    kernel = "weight-only" if activations == "float32" else "bf16-dot"
+    assert why.startswith("fused C step") and kernel in why, why
+    got = model(ids, pos, caches, meta)
+    _close(got, want, caches, torch_caches)
+    out = np.empty((3, model.config.hidden_size), np.float32)   # the portable C loops
+    model.fused_decode.decoder.forward(ids.numpy(), pos.numpy(), meta.slot_mapping.numpy(),
+                                       meta.block_tables.numpy(), meta.seq_lens.numpy(), out,
+                                       portable=True)
+    torch.testing.assert_close(torch.from_numpy(out), want, rtol=1e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("name", ["stories3m-Q4_K_M.gguf", "tiny-llama-gptq-4bit-g32-actorder"])
+def test_quantized_prefill_chunks_equal_the_torch_path(name: str) -> None:
+    """Several tokens per sequence (prefill chunks; the quantized embedding's rows looked up
+    in C) run fused up to the kernel's row limit, with the torch path's results."""
+    model, caches = _setup(name, "float32")
+    model.enable_fused_cpu_decode(caches)
+    fused, torch_caches = model.fused_decode, [c.clone() for c in caches]
+    assert fused.max_tokens == KERNEL_ROWS
+    for lo, hi in ((0, 3), (3, None)):
+        ids, pos, meta = _chunk_args(lo, hi)
+        got = fused(ids, pos, caches, meta)
+        assert got is not None
+        with torch.no_grad():
+            model.fused_decode = None
+            want = model(ids, pos, torch_caches, meta)
+            model.fused_decode = fused
+        _close(got, want, caches, torch_caches)
+    fused.max_tokens = 2     # more tokens than the cap: the torch path's (None)
+    ids, pos, meta = _decode_meta()
+    assert fused(ids, pos, caches, meta) is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["stories3m-Q4_1.gguf", "tiny-llama-gptq-4bit-g32-actorder"])
+def test_engine_greedy_text_is_unchanged(name: str) -> None:
+    """The runner turns the fused step on for a quantized model; greedy tokens equal the
+    op-by-op path's (``enforce_eager``) on the exact path."""
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompts = ["Once upon a time", "The dog ran to the", "Lily"]
+    outs = {}
+    for eager in (False, True):
+        llm = LLM(_path(name), max_num_seqs=4, kv_cache_memory=8 * 2**20, enforce_eager=eager,
+                  cpu_activation_dtype="float32")
+        model = llm.llm_engine.loaded.model
+        assert (model.fused_decode is None) == eager
+        outs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params,
+                                                                   use_tqdm=False)]
+    assert outs[False] == outs[True]
+
+
+def test_mixed_kernels_in_one_projection_are_refused() -> None:
+    """A fused projection whose parts sit on different kernels is left to the torch path,
+    and the reason names the layer."""
+    model, caches = _setup("stories3m-Q4_K_M.gguf", "float32")
+    mixed = [(i, layer.self_attn.qkv_proj.parts) for i, layer in enumerate(model.layers)
+             if len(layer.self_attn.qkv_proj.parts) > 1]
+    assert mixed, "Q4_K_M puts some attn_v in Q6_K: a q/k/v of several parts"
+    i, parts = mixed[0]
+    assert all(p.cpu_weight is not None for p in parts)
+    parts[0].cpu_weight = None    # as if this part's layout had no kernel
+    why = model.enable_fused_cpu_decode(caches)
+    assert model.fused_decode is None and why.startswith(f"layer {i} has projections"), why
