@@ -52,7 +52,9 @@ extensions.append(Extension(
 # still loads on CPUs without it.
 extensions.append(Extension(
     "nybble.kernels.cpu.wo_gemm", [f"{CPU}/wo_gemm.pyx"], define_macros=macros,
-    include_dirs=[CPU], depends=[f"{CPU}/wo_gemm.h", f"{CPU}/cpu_features.h"],
+    include_dirs=[CPU, np.get_include()],
+    depends=[f"{CPU}/wo_gemm.h", f"{CPU}/wo_struct.pxi", f"{CPU}/cpu_arrays.pxi",
+             f"{CPU}/cpu_features.h"],
     extra_compile_args=["-O3"]))
 # The CPU quantized GEMM with bf16 dot products (nybble/kernels/cpu/qgemm.pyx + .h): the
 # AVX-512 BF16 path is compiled for that target alone (function attributes) and chosen at run
@@ -60,7 +62,8 @@ extensions.append(Extension(
 extensions.append(Extension(
     "nybble.kernels.cpu.qgemm", ["nybble/kernels/cpu/qgemm.pyx"], define_macros=macros,
     include_dirs=["nybble/kernels/cpu", np.get_include()],
-    depends=["nybble/kernels/cpu/qgemm.h", "nybble/kernels/cpu/qgemm_struct.pxi"],
+    depends=["nybble/kernels/cpu/qgemm.h", "nybble/kernels/cpu/qgemm_struct.pxi",
+             "nybble/kernels/cpu/cpu_arrays.pxi", "nybble/kernels/cpu/cpu_features.h"],
     extra_compile_args=["-O3"]))
 # The fused CPU decode step (nybble/kernels/cpu/decoder.pyx + .h, which includes qgemm.h for
 # packed projections); the same float flags as the attention kernel, so the dense dot products'
@@ -69,7 +72,7 @@ extensions.append(Extension(
     "nybble.kernels.cpu.decoder", [f"{CPU}/decoder.pyx"], define_macros=macros,
     include_dirs=[CPU, np.get_include()],
     depends=[f"{CPU}/decoder.h", f"{CPU}/qgemm.h", f"{CPU}/qgemm_struct.pxi", f"{CPU}/wo_gemm.h",
-             f"{CPU}/cpu_features.h"],
+             f"{CPU}/wo_struct.pxi", f"{CPU}/cpu_arrays.pxi", f"{CPU}/cpu_features.h"],
     extra_compile_args=["-O3", "-fno-math-errno", "-fno-signed-zeros", "-fno-trapping-math",
                         "-fassociative-math"]))
 

@@ -126,8 +126,8 @@ static inline void nyb_wo_row(const nyb_wo_weight *W, int64_t n, float *out) {
     const int64_t jb = n / NYB_COLS, c = n % NYB_COLS;
     for (int64_t k = 0; k < W->K; k++) {
         const int64_t gi = (k / W->group) * W->Np + n;
-        float v = W->scales[gi] * (nyb_q(W, jb, k, (int)c) - W->zeros[gi]);
-        if (W->mins) v += W->mins[gi];
+        float v = nyb_wo_scale(W, gi) * (nyb_q(W, jb, k, (int)c) - nyb_wo_zero(W, gi));
+        if (W->mins) v += nyb_wo_min(W, gi);
         out[W->perm ? W->perm[k] : k] = v;
     }
 }

@@ -13,20 +13,11 @@ released while the step runs.
 from libc.stdint cimport int32_t
 from libc.stdlib cimport free, malloc
 
+include "cpu_arrays.pxi"
 include "qgemm_struct.pxi"
+include "wo_struct.pxi"
 
 cnp.import_array()
-
-
-cdef extern from "wo_gemm.h" nogil:
-    ctypedef struct nyb_wo_weight:
-        int bits
-        int64_t K, N, Np, group, G
-        const void *w
-        const float *scales
-        const float *zeros
-        const float *mins
-        const int64_t *perm
 
 
 cdef extern from "decoder.h" nogil:
@@ -82,24 +73,6 @@ cdef const float *_ptr(object a, tuple shape, str name) except? NULL:
                          f"got {type(a).__name__} {getattr(a, 'dtype', None)} "
                          f"{getattr(a, 'shape', None)}")
     return <const float *> cnp.PyArray_DATA(<cnp.ndarray> a)
-
-
-cdef int _fill_wo(nyb_wo_weight *W, object p) except -1:
-    """Point ``W`` at the arrays of ``p`` (a ``nybble.kernels.cpu.weight_only.CpuWeight``)."""
-    cdef int64_t k = p.in_features, n = p.out_features, gs = p.group_size
-    if p.bits not in (4, 8) or gs < 1 or n < 1:
-        raise ValueError(f"bits must be 4 or 8 and group_size positive, got {p.bits}, {gs}")
-    W.bits, W.K, W.N, W.group = p.bits, k, n, gs
-    W.G = (k + gs - 1) // gs
-    W.Np = (n + 31) // 32 * 32
-    W.w = _qarr(p.packed, np.uint8, (W.Np * k * p.bits // 8,), "packed")
-    W.scales = <const float *> _qarr(p.scales, np.float32, (W.G, W.Np), "scales")
-    W.zeros = <const float *> _qarr(p.zeros, np.float32, (W.G, W.Np), "zeros")
-    W.mins = <const float *> (NULL if p.mins is None else
-                              _qarr(p.mins, np.float32, (W.G, W.Np), "mins"))
-    W.perm = <const int64_t *> (NULL if p.perm is None else
-                                _qarr(p.perm, np.int64, (k,), "perm"))
-    return 0
 
 
 def _is_wo(p) -> bool:

@@ -45,6 +45,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_features.h"
+
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define NYB_X86_BF16 1
 #include <immintrin.h>
@@ -89,24 +91,6 @@ static inline uint16_t nyb_bf16_bits(float f) {
 
 static inline float nyb_bf16_float(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline float nyb_half_float(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff;
-    uint32_t u;
-    if (e == 0) {
-        if (m == 0) u = sign;
-        else {  /* subnormal: normalise */
-            int sh = 0;
-            uint32_t mm = m;
-            while (!(mm & 0x400)) { mm <<= 1; sh++; }
-            u = sign | ((uint32_t)(113 - sh) << 23) | ((mm & 0x3ff) << 13);
-        }
-    } else if (e == 31) u = sign | 0x7f800000u | (m << 13);
-    else u = sign | ((e + 112) << 23) | (m << 13);
     float f;
     memcpy(&f, &u, 4);
     return f;

@@ -6,6 +6,7 @@
 packed 4/8-bit weight streamed once per call; any ``M`` (decode batches and prefill).
 Torch-free: callers pass numpy arrays. The GIL is released while the kernel runs.
 """
+include "cpu_arrays.pxi"
 include "qgemm_struct.pxi"
 
 cnp.import_array()

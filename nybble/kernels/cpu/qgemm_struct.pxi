@@ -1,9 +1,6 @@
-# The C view of a packed bf16-dot weight (qgemm.h), shared by qgemm.pyx and
-# cpu_decoder.pyx (Cython `include`): `_fill_qw` checks a `QPacked`'s arrays and points an
-# nyb_qw at them (the caller keeps the object alive).
-from libc.stdint cimport int8_t, int64_t, uint8_t
-cimport numpy as cnp
-import numpy as np
+# The C view of a packed bf16-dot weight (qgemm.h), shared by qgemm.pyx and decoder.pyx
+# (Cython `include`, after cpu_arrays.pxi): `_fill_qw` checks a `QPacked`'s arrays and points
+# an nyb_qw at them (the caller keeps the object alive).
 
 cdef extern from "qgemm.h" nogil:
     ctypedef struct nyb_qw:
@@ -17,15 +14,6 @@ cdef extern from "qgemm.h" nogil:
     int nyb_qgemm(const nyb_qw *W, const float *x, int64_t M, int64_t ldx, float *y,
                   int64_t ldy, const float *bias, int acc, int portable)
     int nyb_qg_cpu_bf16()
-
-
-cdef const void *_qarr(object a, object dtype, tuple shape, str name) except? NULL:
-    if (not isinstance(a, np.ndarray) or a.dtype != dtype or not a.flags.c_contiguous
-            or a.shape != shape):
-        raise ValueError(f"{name} must be a C-contiguous {np.dtype(dtype).name} array of shape "
-                         f"{shape}, got {type(a).__name__} {getattr(a, 'dtype', None)} "
-                         f"{getattr(a, 'shape', None)}")
-    return cnp.PyArray_DATA(<cnp.ndarray> a)
 
 
 cdef int _fill_qw(nyb_qw *W, object p) except -1:

@@ -59,9 +59,14 @@ class CpuWeight:
         bits: 4 or 8. in_features ``K``, out_features ``N``, group_size: input rows per
             group (the last may be shorter).
         packed: uint8 bytes of the packed weight (``Np * K * bits / 8``).
-        scales: float32 ``[G, Np]``. zeros: float32 ``[G, Np]`` (``z``; ``z - 128`` for 8
-            bits). perm: int64 ``[K]`` input order (act order) or None.
-        mins: float32 ``[G, Np]`` per-group minimums (GGUF ``W = s q + m``) or None.
+        scales: ``[G, Np]`` float32, or uint16 float16 bits when every scale (and minimum)
+            is a float16 value (lossless; half the bytes streamed).
+        zeros: float32 ``[G, Np]`` (``z``; ``z - 128`` for 8 bits), or None when every
+            zero is ``zero`` (symmetric types, float minimums: no bytes streamed).
+        perm: int64 ``[K]`` input order (act order) or None.
+        mins: ``[G, Np]`` per-group minimums (GGUF ``W = s q + m``) in the scales' dtype,
+            or None.
+        zero: the one zero point when ``zeros`` is None (``- 128`` applied for 8 bits).
     """
 
     bits: int
@@ -70,14 +75,32 @@ class CpuWeight:
     group_size: int
     packed: np.ndarray
     scales: np.ndarray
-    zeros: np.ndarray
+    zeros: np.ndarray | None
     perm: np.ndarray | None
     mins: np.ndarray | None = None
+    zero: float = 0.0
+
+    @property
+    def streamed_bytes(self) -> int:
+        """Bytes one call reads from memory: packed integers, scales, zeros, minimums."""
+        return sum(a.nbytes for a in (self.packed, self.scales, self.zeros, self.mins)
+                   if a is not None)
 
 
 def _pad_columns(t: torch.Tensor, np_: int) -> torch.Tensor:
     """``[R, N] -> [R, Np]`` with zero columns appended."""
     return torch.nn.functional.pad(t, (0, np_ - t.shape[1]))
+
+
+def _half_if_exact(t: torch.Tensor, other: torch.Tensor | None) -> np.ndarray:
+    """``t`` (float32) as float16 bits (uint16) when it and ``other`` (the minimums for the
+    scales, or the scales for the minimums: one dtype for both) are all float16 values, else
+    as float32."""
+    def exact(a: torch.Tensor | None) -> bool:
+        return a is None or bool((a.half().float() == a).all())
+    if exact(t) and exact(other):
+        return t.half().numpy().view(np.uint16)
+    return t.numpy()
 
 
 def prepare(iw: IntWeight, scales: torch.Tensor) -> tuple[CpuWeight | None, str]:
@@ -113,12 +136,17 @@ def prepare(iw: IntWeight, scales: torch.Tensor) -> tuple[CpuWeight | None, str]
     else:
         packed = (q - 128).to(torch.int8).transpose(0, 1).contiguous()  # [Np/32, K, 32]
         zero = zero - 128
+    s32 = _pad_columns(scales.float(), np_).contiguous()
+    m32 = None if iw.mins is None else _pad_columns(iw.mins.float(), np_).contiguous()
+    z_pad = _pad_columns(zero, np_)
+    z_pad[:, n:] = zero[0, 0] if zero.numel() else 0.0   # padding columns take any zero
+    uniform = bool((z_pad == z_pad.reshape(-1)[0]).all()) if z_pad.numel() else True
     return (CpuWeight(iw.bits, k, n, gs, packed.numpy().view(np.uint8).reshape(-1),
-                      _pad_columns(scales.float(), np_).contiguous().numpy(),
-                      _pad_columns(zero, np_).contiguous().numpy(),
+                      _half_if_exact(s32, m32),
+                      None if uniform else z_pad.contiguous().numpy(),
                       None if perm is None else perm.to(torch.int64).contiguous().numpy(),
-                      None if iw.mins is None else
-                      _pad_columns(iw.mins.float(), np_).contiguous().numpy()),
+                      None if m32 is None else _half_if_exact(m32, s32),
+                      float(z_pad.reshape(-1)[0]) if uniform and z_pad.numel() else 0.0),
             f"int{iw.bits} weight-only kernel "
             f"({'AVX2' if cpu_wo_gemm.have_avx2() else 'portable C'}, fp32 activations)")
 
@@ -135,8 +163,7 @@ def linear(x: torch.Tensor, w: CpuWeight, bias: torch.Tensor | None,
         raise ValueError(f"x must be [M, {w.in_features}], got {list(x.shape)}")
     x32 = x.to(torch.float32).contiguous()
     y = torch.empty(x.shape[0], w.out_features, dtype=torch.float32)
-    cpu_wo_gemm.wo_gemm(x32.numpy(), w.packed, w.bits, w.out_features, w.group_size,
-                        w.scales, w.zeros, w.perm, y.numpy(), portable, w.mins)
+    cpu_wo_gemm.wo_gemm(x32.numpy(), w, y.numpy(), portable)
     if bias is not None:
         y += bias.float()
     return y.to(x.dtype)

@@ -11,13 +11,19 @@
  * one call streams every block from start to end:
  *   int4: w4[(jb * K + k) * 4 + i]  uint32; nibble t (bits 4t..4t+3) is q[k, 32 jb + 8 i + t]
  *   int8: w8[(jb * K + k) * 32 + c] int8 = q[k, 32 jb + c] - 128
- *   scales[g * Np + n], zeros[g * Np + n]: float32 s and z (int8: z - 128, so w = q8 - z');
- *   mins[g * Np + n]: float32 m, or NULL (no minimum).
+ *   scales[g * Np + n]: s, float32 or (s16) float16 bits when every scale is a float16 value;
+ *   zeros[g * Np + n]: float32 z (int8: z - 128, so w = q8 - z'), or NULL when every zero is
+ *   the one constant `zero` (symmetric types, float minimums);
+ *   mins[g * Np + n]: m in the scales' dtype, or NULL (no minimum).
+ * float16 scales and no zeros array keep the bytes streamed per weight near the packed
+ * integers' own: 0.5625 per 4-bit weight at group 32, as GGUF Q4_0.
  *
- * Two ways through a block of 32 columns (rows in chunks of NYB_MAX_ROWS):
+ * Three ways through a block of 32 columns (rows in chunks of NYB_MAX_ROWS):
+ *   2 <= M <= NYB_DIRECT_ROWS: each unpacked weight vector feeds the sums of a pair of rows
+ *           (and a last single row), then y += s * (acc - z * sum_k x) per row;
  *   M == 1: the integers times x are summed per group, then y += s * (acc - z * sum_k x):
  *           unpack (shift, mask, convert) and one FMA per 8 weights.
- *   M >= 2: a group of the block is unpacked once to float (q - z) in a scratch tile, then
+ *   more rows: a group of the block is unpacked once to float (q - z) in a scratch tile, then
  *           every row of x runs FMAs over it (rows in threes: 12 accumulators).
  * An x86-64 AVX2+FMA version is chosen at run time when the CPU has it; the portable C loop
  * computes the same sums in the same order otherwise.
@@ -36,16 +42,45 @@
 
 #define NYB_COLS 32
 #define NYB_MAX_ROWS 16
+#define NYB_DIRECT_ROWS 4   /* up to this many rows: no tile (each unpacked vector feeds all) */
 
 typedef struct {
     int bits;              /* 4 or 8 */
+    int s16;               /* scales and mins are float16 bits */
     int64_t K, N, Np, group, G;
     const void *w;         /* packed weight, layout above */
-    const float *scales;   /* [G, Np] */
-    const float *zeros;    /* [G, Np] */
-    const float *mins;     /* [G, Np] or NULL */
+    const void *scales;    /* [G, Np] float32 or float16 bits */
+    const float *zeros;    /* [G, Np] or NULL: every zero is `zero` */
+    float zero;
+    const void *mins;      /* [G, Np] like scales, or NULL */
     const int64_t *perm;   /* [K] input order (act order) or NULL */
 } nyb_wo_weight;
+
+static inline float nyb_wo_f(const nyb_wo_weight *W, const void *a, int64_t i) {
+    return W->s16 ? nyb_half_float(((const uint16_t *)a)[i]) : ((const float *)a)[i];
+}
+
+/* Scale, zero and minimum (0 when none) of group-column index gi = g * Np + n. */
+static inline float nyb_wo_scale(const nyb_wo_weight *W, int64_t gi) {
+    return nyb_wo_f(W, W->scales, gi);
+}
+static inline float nyb_wo_zero(const nyb_wo_weight *W, int64_t gi) {
+    return W->zeros ? W->zeros[gi] : W->zero;
+}
+static inline float nyb_wo_min(const nyb_wo_weight *W, int64_t gi) {
+    return W->mins ? nyb_wo_f(W, W->mins, gi) : 0.0f;
+}
+
+/* The 32 scales, zeros and minimums of group g, column block jb, as float32 (portable). */
+static void nyb_wo_group(const nyb_wo_weight *W, int64_t g, int64_t jb, float *s, float *z,
+                         float *m) {
+    const int64_t gi = g * W->Np + jb * NYB_COLS;
+    for (int c = 0; c < NYB_COLS; c++) {
+        s[c] = nyb_wo_scale(W, gi + c);
+        z[c] = nyb_wo_zero(W, gi + c);
+        m[c] = nyb_wo_min(W, gi + c);
+    }
+}
 
 /* The integer q[k, 32 jb + c] of a packed block (portable path). */
 static inline float nyb_q(const nyb_wo_weight *W, int64_t jb, int64_t k, int c) {
@@ -60,11 +95,11 @@ static inline float nyb_q(const nyb_wo_weight *W, int64_t jb, int64_t k, int c) 
 static void nyb_block_portable(const nyb_wo_weight *W, const float *x, const float *xs,
                                int64_t M, int64_t jb, float *yt, float *tile) {
     const int64_t K = W->K, group = W->group;
+    float s[NYB_COLS], z[NYB_COLS], mb[NYB_COLS];
+    const float *mn = W->mins ? mb : NULL;
     for (int64_t g = 0; g < W->G; g++) {
         const int64_t ks = g * group, ke = ks + group < K ? ks + group : K;
-        const float *s = W->scales + g * W->Np + jb * NYB_COLS;
-        const float *z = W->zeros + g * W->Np + jb * NYB_COLS;
-        const float *mn = W->mins ? W->mins + g * W->Np + jb * NYB_COLS : NULL;
+        nyb_wo_group(W, g, jb, s, z, mb);
         if (M == 1) {   /* even and odd k summed apart, then added (as the AVX2 loop) */
             float acc[NYB_COLS] = {0}, odd[NYB_COLS] = {0};
             int64_t k = ks;
@@ -79,6 +114,19 @@ static void nyb_block_portable(const nyb_wo_weight *W, const float *x, const flo
             for (int c = 0; c < NYB_COLS; c++) {
                 yt[c] += s[c] * (acc[c] - z[c] * xs[g]);
                 if (mn) yt[c] += mn[c] * xs[g];
+            }
+            continue;
+        }
+        if (M <= NYB_DIRECT_ROWS) {   /* per row: sum x q, then the zero and the minimum */
+            for (int64_t m = 0; m < M; m++) {
+                float acc[NYB_COLS] = {0};
+                const float xg = xs[m * W->G + g];
+                for (int64_t k = ks; k < ke; k++)
+                    for (int c = 0; c < NYB_COLS; c++) acc[c] += x[m * K + k] * nyb_q(W, jb, k, c);
+                for (int c = 0; c < NYB_COLS; c++) {
+                    yt[m * NYB_COLS + c] += s[c] * (acc[c] - z[c] * xg);
+                    if (mn) yt[m * NYB_COLS + c] += mn[c] * xg;
+                }
             }
             continue;
         }
@@ -99,7 +147,26 @@ static void nyb_block_portable(const nyb_wo_weight *W, const float *x, const flo
 }
 
 #ifdef NYB_X86_AVX2
-#define NYB_AVX2 __attribute__((target("avx2,fma")))
+#define NYB_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+/* nyb_wo_group with F16C conversions. */
+static inline NYB_AVX2 void nyb_wo_group_avx2(const nyb_wo_weight *W, int64_t g, int64_t jb,
+                                              float *s, float *z, float *m) {
+    const int64_t gi = g * W->Np + jb * NYB_COLS;
+    for (int i = 0; i < NYB_COLS; i += 8) {
+        if (W->s16) {
+            _mm256_storeu_ps(s + i, _mm256_cvtph_ps(_mm_loadu_si128(
+                (const __m128i *)((const uint16_t *)W->scales + gi + i))));
+            if (W->mins) _mm256_storeu_ps(m + i, _mm256_cvtph_ps(_mm_loadu_si128(
+                (const __m128i *)((const uint16_t *)W->mins + gi + i))));
+        } else {
+            _mm256_storeu_ps(s + i, _mm256_loadu_ps((const float *)W->scales + gi + i));
+            if (W->mins) _mm256_storeu_ps(m + i, _mm256_loadu_ps((const float *)W->mins + gi + i));
+        }
+        _mm256_storeu_ps(z + i, W->zeros ? _mm256_loadu_ps(W->zeros + gi + i)
+                                         : _mm256_set1_ps(W->zero));
+    }
+}
 
 /* Eight integers of row k for columns 8 i .. 8 i + 7 of the block, as float. */
 static inline NYB_AVX2 __m256 nyb_unpack4(const uint32_t *wk, int i, __m256i shifts,
@@ -142,6 +209,47 @@ static inline __attribute__((always_inline)) NYB_AVX2 void nyb_rows_avx2(
         }
 }
 
+/* Rows 0 .. R (R = 1 or 2) of x (row stride K) over inputs ks .. ke of one column block,
+ * without a tile: each unpacked weight vector feeds the R rows' sums (4 R accumulators); then per row
+ * yt += s * (acc - z * xs) (+ mn * xs).  R is a constant after inlining. */
+static inline __attribute__((always_inline)) NYB_AVX2 void nyb_direct_avx2(
+        const nyb_wo_weight *W, const uint32_t *w4, const int8_t *w8, const float *x,
+        int64_t K, int64_t ks, int64_t ke, const float *s, const float *z, const float *mn,
+        const float *xs, int64_t G, float *yt, __m256i shifts, __m256i mask, const int R) {
+    __m256 acc[2][4];
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < 4; i++) acc[r][i] = _mm256_setzero_ps();
+    if (W->bits == 4) {
+        for (int64_t k = ks; k < ke; k++) {
+            __m256 xv[2];
+            for (int r = 0; r < R; r++) xv[r] = _mm256_broadcast_ss(x + r * K + k);
+            for (int i = 0; i < 4; i++) {
+                const __m256 q = nyb_unpack4(w4 + k * 4, i, shifts, mask);
+                for (int r = 0; r < R; r++) acc[r][i] = _mm256_fmadd_ps(q, xv[r], acc[r][i]);
+            }
+        }
+    } else {
+        for (int64_t k = ks; k < ke; k++) {
+            __m256 xv[2];
+            for (int r = 0; r < R; r++) xv[r] = _mm256_broadcast_ss(x + r * K + k);
+            for (int i = 0; i < 4; i++) {
+                const __m256 q = nyb_unpack8(w8 + k * NYB_COLS, i);
+                for (int r = 0; r < R; r++) acc[r][i] = _mm256_fmadd_ps(q, xv[r], acc[r][i]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        const __m256 xsg = _mm256_set1_ps(xs[r * G]);
+        for (int i = 0; i < 4; i++) {
+            float *y = yt + r * NYB_COLS + 8 * i;
+            const __m256 t = _mm256_fnmadd_ps(_mm256_loadu_ps(z + 8 * i), xsg, acc[r][i]);
+            __m256 v = _mm256_fmadd_ps(_mm256_loadu_ps(s + 8 * i), t, _mm256_loadu_ps(y));
+            if (mn) v = _mm256_fmadd_ps(_mm256_loadu_ps(mn + 8 * i), xsg, v);
+            _mm256_storeu_ps(y, v);
+        }
+    }
+}
+
 static NYB_AVX2 void nyb_block_avx2(const nyb_wo_weight *W, const float *x, const float *xs,
                                     int64_t M, int64_t jb, float *yt, float *tile) {
     const int64_t K = W->K, group = W->group;
@@ -149,11 +257,11 @@ static NYB_AVX2 void nyb_block_avx2(const nyb_wo_weight *W, const float *x, cons
     const __m256i mask = _mm256_set1_epi32(0xF);
     const uint32_t *w4 = (const uint32_t *)W->w + jb * K * 4;
     const int8_t *w8 = (const int8_t *)W->w + jb * K * NYB_COLS;
+    float s[NYB_COLS], z[NYB_COLS], mb[NYB_COLS];
+    const float *mn = W->mins ? mb : NULL;
     for (int64_t g = 0; g < W->G; g++) {
         const int64_t ks = g * group, ke = ks + group < K ? ks + group : K;
-        const float *s = W->scales + g * W->Np + jb * NYB_COLS;
-        const float *z = W->zeros + g * W->Np + jb * NYB_COLS;
-        const float *mn = W->mins ? W->mins + g * W->Np + jb * NYB_COLS : NULL;
+        nyb_wo_group_avx2(W, g, jb, s, z, mb);
         if (M == 1) {
             /* two sets of four sums (even and odd k), so eight FMA chains hide the FMA
              * latency; added together at the end of the group */
@@ -212,6 +320,21 @@ static NYB_AVX2 void nyb_block_avx2(const nyb_wo_weight *W, const float *x, cons
                                            _mm256_loadu_ps(yt + 8 * i));
                 if (mn) v = _mm256_fmadd_ps(_mm256_loadu_ps(mn + 8 * i), xsg, v);
                 _mm256_storeu_ps(yt + 8 * i, v);
+            }
+            continue;
+        }
+        if (M <= NYB_DIRECT_ROWS) {   /* rows in pairs (12 sums would spill registers) */
+            for (int64_t m0 = 0; m0 < M;) {
+                const int64_t left = M - m0;
+                const float *xr = x + m0 * K, *sr = xs + m0 * W->G + g;
+                float *yr = yt + m0 * NYB_COLS;
+                if (left >= 2) {
+                    nyb_direct_avx2(W, w4, w8, xr, K, ks, ke, s, z, mn, sr, W->G, yr, shifts, mask, 2);
+                    m0 += 2;
+                } else {
+                    nyb_direct_avx2(W, w4, w8, xr, K, ks, ke, s, z, mn, sr, W->G, yr, shifts, mask, 1);
+                    m0 += 1;
+                }
             }
             continue;
         }

@@ -140,11 +140,11 @@ def test_bad_calls_raise_value_errors() -> None:
     with pytest.raises(ValueError, match=r"x must be \[M, 128\]"):
         cw.linear(torch.randn(2, 64), w, None)
     with pytest.raises(ValueError, match="x must have at least one row, got 0"):
-        cw.cpu_wo_gemm.wo_gemm(torch.randn(0, 128).numpy(), w.packed, 4, 32, 64, w.scales,
-                               w.zeros, None, torch.empty(0, 32).numpy())
-    with pytest.raises(ValueError, match="packed must hold"):
-        cw.cpu_wo_gemm.wo_gemm(torch.randn(1, 128).numpy(), w.packed[:-1], 4, 32, 64,
-                               w.scales, w.zeros, None, torch.empty(1, 32).numpy())
+        cw.cpu_wo_gemm.wo_gemm(torch.randn(0, 128).numpy(), w, torch.empty(0, 32).numpy())
+    with pytest.raises(ValueError, match="packed must be a C-contiguous uint8 array"):
+        cw.cpu_wo_gemm.wo_gemm(torch.randn(1, 128).numpy(),
+                               dataclasses.replace(w, packed=w.packed[:-1]),
+                               torch.empty(1, 32).numpy())
 
 
 @pytest.mark.parametrize("d", FIXTURES)
