@@ -11,6 +11,8 @@ int8     ``nybble quantize`` RTN 8-bit    ``llama-quantize ... Q8_0``
          g32 symmetric
 int4     ``nybble quantize`` RTN 4-bit    ``llama-quantize ... Q4_0``
          g32 symmetric
+int4-    the same with                    ``llama-quantize ... Q4_0``
+head     ``--quantize-lm-head``
 =======  ===============================  ===================================
 
 and, since nybble reads GGUF, three pairs of one file served by both: ``gguf-q4_0`` and
@@ -76,6 +78,7 @@ from nybble.bench.workloads import BenchRequest, WorkloadConfig, build_requests
 MODELS = {"fp32": ("hf-f32", "smollm2-f32.gguf", "F32"),
           "int8": ("nybble-int8-g32", "smollm2-q8_0.gguf", "Q8_0"),
           "int4": ("nybble-int4-g32", "smollm2-q4_0.gguf", "Q4_0"),
+          "int4-head": ("nybble-int4-g32-head", "smollm2-q4_0.gguf", "Q4_0"),
           "gguf-q4_0": ("smollm2-q4_0.gguf", "smollm2-q4_0.gguf", "Q4_0"),
           "gguf-q8_0": ("smollm2-q8_0.gguf", "smollm2-q8_0.gguf", "Q8_0"),
           "gguf-q4_1": ("smollm2-q4_1.gguf", "smollm2-q4_1.gguf", "Q4_1")}

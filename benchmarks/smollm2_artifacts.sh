@@ -11,6 +11,8 @@
 #   OUT/nybble-int8-g32/     nybble quantize --method rtn --bits 8 --group-size 32 --sym
 #   OUT/nybble-int4-g32/     nybble quantize --method rtn --bits 4 --group-size 32 --sym
 #                            (symmetric, one scale per 32 inputs: the form of Q4_0 / Q8_0)
+#   OUT/nybble-int4-g32-head/ the same with --quantize-lm-head (an INT8 g32 output head, as
+#                            the Q8_0 token_embd llama-quantize writes for a tied model)
 #   OUT/MANIFEST.txt         size and sha256 of every file made
 #
 # The converter runs in its own virtualenv (VENV, created if missing, as shared/docs/peers.md
@@ -45,7 +47,7 @@ while [ $# -gt 0 ]; do
     --float-dir) FLOAT_DIR="$2"; shift 2 ;;
     --venv) VENV="$2"; shift 2 ;;
     --force) FORCE=1; shift ;;
-    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
     *) echo "unknown option $1 (allowed: --shared --llama-dir --build --out --float-dir --venv --force)" >&2
        exit 2 ;;
   esac
@@ -111,15 +113,19 @@ if todo "$OUT/smollm2-q4_1.gguf"; then
   cp "$GGUF_SRC" "$OUT/smollm2-q4_1.gguf"
 fi
 
-for bits in 8 4; do
-  dst="$OUT/nybble-int$bits-g32"
+for variant in 8 4 4-head; do
+  bits="${variant%-head}"
+  dst="$OUT/nybble-int$variant-g32"
+  [ "$variant" = 4-head ] && dst="$OUT/nybble-int4-g32-head"
+  extra=""
+  [ "$variant" = 4-head ] && extra="--quantize-lm-head"
   if todo "$dst/config.json"; then
-    echo "== nybble INT$bits g32: $dst"
+    echo "== nybble INT$variant g32: $dst"
     rm -rf "$dst"
     (cd "$ROOT" && OMP_NUM_THREADS=1 PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" \
        "$PYTHON" -m nybble quantize "$FLOAT_DIR" --method rtn --bits "$bits" --group-size 32 \
-       --sym --out "$dst" > "$OUT/nybble-int$bits.log" 2>&1) \
-      || { tail -20 "$OUT/nybble-int$bits.log" >&2; exit 1; }
+       --sym $extra --out "$dst" > "$OUT/nybble-int$variant.log" 2>&1) \
+      || { tail -20 "$OUT/nybble-int$variant.log" >&2; exit 1; }
   fi
 done
 
@@ -129,7 +135,7 @@ echo "== manifest: $OUT/MANIFEST.txt"
   echo "# llama.cpp: $LLAMA_DIR, $("$BUILD/bin/llama-server" --version 2>&1 | grep -m1 version || true)"
   for f in "$FLOAT_DIR/model.safetensors" "$F32_GGUF" "$OUT"/smollm2-q8_0.gguf \
            "$OUT"/smollm2-q4_0.gguf "$OUT"/smollm2-q4_1.gguf "$OUT"/nybble-int8-g32/model.safetensors \
-           "$OUT"/nybble-int4-g32/model.safetensors; do
+           "$OUT"/nybble-int4-g32/model.safetensors "$OUT"/nybble-int4-g32-head/model.safetensors; do
     printf '%s  %s  %s\n' "$(stat -c %s "$f")" "$(sha256sum "$f" | cut -d' ' -f1)" "$f"
   done
 } > "$OUT/MANIFEST.txt"

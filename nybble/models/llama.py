@@ -282,7 +282,7 @@ class LlamaForCausalLM(nn.Module):
         (:data:`~nybble.distributed.channel.Kind.LOGITS`), each computes its vocabulary
         rows, and rank 0 gathers them."""
         if self.quant_head is not None:
-            return self.quant_head(hidden)
+            return self._softcapped(self.quant_head(hidden))
         if not self.layout.sharded:
             return self._softcapped(nn.functional.linear(hidden, self._head_weight()))
         channel.send(self.layout.tp, channel.Kind.LOGITS, tuple(hidden.shape), hidden)

@@ -26,6 +26,7 @@ from nybble.kernels.interface import AttentionBackend
 from nybble.models.hf_config import HFConfig, load_hf_config
 from nybble.models.linear import dense_linear_factory
 from nybble.models.llama import LlamaForCausalLM
+from nybble.models.quant_head import quantized_head
 from nybble.models.registry import arch_spec
 from nybble.models.shape import ModelShape
 from nybble.models.tp_layout import TPLayout
@@ -172,7 +173,14 @@ def load_model(cfg: ModelConfig, backend: AttentionBackend, device: torch.device
     if gguf is not None:
         gguf.load(model, dtype)
     else:
-        _load_weights(model, model_weight_files(cfg.model), dtype)
+        files = model_weight_files(cfg.model)
+        head = quantized_head(quant, files, shape.hidden_size, shape.vocab_size, dtype, device,
+                              layout.sharded)
+        if head is not None:
+            model.lm_head = None   # the quantized module replaces the float matrix
+        _load_weights(model, files, dtype, skip_head=head is not None)
+        if head is not None:
+            model.set_quantized_vocab(None, head)
     model.eval()
     linear_bytes = sum(_module_bytes(m) for n, m in model.named_modules()
                        if n.endswith(("_proj",)))
@@ -195,8 +203,10 @@ def _fused_targets(model: LlamaForCausalLM) -> dict[str, tuple[str, int]]:
     return targets
 
 
-def _load_weights(model: LlamaForCausalLM, files: list[str], dtype: torch.dtype) -> None:
-    """Stream every checkpoint tensor into ``model`` (fused shards concatenated)."""
+def _load_weights(model: LlamaForCausalLM, files: list[str], dtype: torch.dtype,
+                  skip_head: bool = False) -> None:
+    """Stream every checkpoint tensor into ``model`` (fused shards concatenated); with
+    ``skip_head``, the ``lm_head.*`` tensors are left to :func:`quantized_head`."""
     shards: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
     targets = _fused_targets(model)
     params = dict(model.named_parameters())
@@ -207,7 +217,7 @@ def _load_weights(model: LlamaForCausalLM, files: list[str], dtype: torch.dtype)
     for path in files:
         with safe_open(path, framework="pt") as f:
             for key in f.keys():
-                if "rotary_emb" in key:
+                if "rotary_emb" in key or (skip_head and key.startswith("lm_head.")):
                     continue
                 module_prefix, _, suffix = key.rpartition(".")
                 if module_prefix in targets:

@@ -53,7 +53,8 @@ def _quantize(args: argparse.Namespace) -> int:
                            tune=TuneOptions(**{k: v for k, v in (
                                ("steps", args.tune_steps), ("batch", args.tune_batch),
                                ("lr", args.tune_lr)) if v is not None}),
-                           eval_text=read(args.eval_text), eval_source=args.eval_text)
+                           eval_text=read(args.eval_text), eval_source=args.eval_text,
+                           lm_head=args.quantize_lm_head)
     summary = quantize_model(args.model, args.out, opts)
     logger.info("quantized %d linears, left %d dense; wrote %s", len(summary["quantized"]),
                 len(summary["skipped"]), args.out)
@@ -105,6 +106,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     q.add_argument("--desc-act", action=argparse.BooleanOptionalAction, default=None,
                    help="GPTQ act order (default: on for gptq-e2e, off for gptq)")
     q.add_argument("--static-groups", action="store_true", help="GPTQ static groups")
+    q.add_argument("--quantize-lm-head", action="store_true",
+                   help="also quantize the output head: RTN symmetric INT8 at --group-size (32 "
+                        "when per-channel), written as GPTQModel's lm_head: true; the "
+                        "embedding stays float (a tied model's config is untied)")
     q.add_argument("--damp-percent", type=float, default=0.01,
                    help="GPTQ dampening, fraction of the mean Hessian diagonal")
     q.add_argument("--calib", help="calibration text file (default: built-in text)")

@@ -40,6 +40,7 @@ from nybble.quantize.export import (
 from nybble.quantize.e2e import TuneOptions, tune_scales
 from nybble.quantize.gptq import GPTQResult
 from nybble.quantize.layer_quant import LAYER_METHODS, LINEARS, LayerOptions, LinearOutcome
+from nybble.quantize.rtn import rtn_quantize
 from nybble.quantize.report import (
     build_report,
     checkpoint_tensor_bytes,
@@ -72,6 +73,9 @@ class QuantizeOptions:
         threads: torch intra-op threads during the run (results depend on it, see module).
         eval_text: held-out text whose perplexity (before and after) goes into the report;
             eval_source names it.
+        lm_head: also quantize the output head, RTN symmetric INT8 with ``group_size`` (32
+            for a per-channel run), written as GPTQModel's ``lm_head: true`` (a tied
+            embedding stays float for the lookup and the config is untied).
     """
 
     method: str = "gptq"
@@ -91,6 +95,7 @@ class QuantizeOptions:
     threads: int = 1
     eval_text: str | None = None
     eval_source: str | None = None
+    lm_head: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -104,6 +109,9 @@ class QuantizeOptions:
             raise ValueError(f"threads must be >= 1, got {self.threads!r}")
         if self.method == "awq":
             self.sym = False
+            if self.lm_head:
+                raise ValueError("lm_head quantization writes a GPTQ-format head: use method "
+                                 "rtn, gptq or gptq-e2e (AutoAWQ's format has no lm_head)")
         if self.desc_act is None:
             self.desc_act = self.method == "gptq-e2e"
 
@@ -191,6 +199,27 @@ def _run(model: nn.Module, model_dir: str, opts: QuantizeOptions, progress: bool
     return results, errors, skipped, calibration, tuning
 
 
+HEAD = "lm_head"
+HEAD_BITS = 8
+
+
+def quantized_lm_head(model: nn.Module, opts: QuantizeOptions, v2: bool
+                      ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The output head as GPTQ tensors (RTN, symmetric, :data:`HEAD_BITS` bits, the run's
+    group size or 32 for a per-channel run) and the ``dynamic`` override that tells a loader
+    its settings where they differ from the layers' (empty when they do not)."""
+    w = model.get_output_embeddings().weight.detach().float()
+    gs = opts.group_size if opts.group_size != -1 else 32
+    if w.shape[1] % gs:
+        gs = w.shape[1]
+    res = rtn_quantize(w, HEAD_BITS, gs, sym=True)
+    over = {k: v for k, v in (("bits", HEAD_BITS), ("group_size", gs), ("sym", True),
+                              ("desc_act", False))
+            if v != {"bits": opts.bits, "group_size": opts.group_size, "sym": opts.sym,
+                     "desc_act": bool(opts.desc_act)}[k]}
+    return pack_gptq(res, HEAD_BITS, v2), over
+
+
 def _perplexity(model_dir: str, text: str) -> dict[str, float]:
     from transformers import AutoTokenizer
 
@@ -229,6 +258,11 @@ def quantize_model(model_dir: str, out_dir: str, opts: QuantizeOptions,
                gptq_config(opts.bits, opts.group_size, opts.sym, bool(opts.desc_act),
                            opts.static_groups, opts.damp_percent, v2, skipped_names,
                            opts.method))
+        if opts.lm_head:
+            qtensors[HEAD], head_override = quantized_lm_head(model, opts, v2)
+            cfg["lm_head"] = True
+            if head_override:
+                cfg["dynamic"] = {f"+:{HEAD}$": head_override}
         write_model_folder(model, model_dir, out_dir, qtensors, cfg)
         wall = time.perf_counter() - t0
         ppl = None
@@ -240,7 +274,10 @@ def quantize_model(model_dir: str, out_dir: str, opts: QuantizeOptions,
                    "after": after["perplexity"]}
     finally:
         torch.set_num_threads(threads)
-    lin_before = checkpoint_tensor_bytes(model_dir, [p + ".weight" for p in results])
+    head_src = ([] if not opts.lm_head else
+                ["model.embed_tokens.weight"] if model.config.tie_word_embeddings else
+                [HEAD + ".weight"])
+    lin_before = checkpoint_tensor_bytes(model_dir, [p + ".weight" for p in results] + head_src)
     lin_after = sum(t.numel() * t.element_size() for d in qtensors.values() for t in d.values())
     settings = {"method": opts.method, "bits": opts.bits, "group_size": opts.group_size,
                 "sym": opts.sym, "desc_act": opts.desc_act, "static_groups": opts.static_groups,

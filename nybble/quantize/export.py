@@ -69,7 +69,8 @@ def write_model_folder(model: nn.Module, src_dir: str, out_dir: str,
                        qtensors: dict[str, dict[str, torch.Tensor]],
                        qconfig: dict[str, Any]) -> None:
     """Write ``out_dir``: ``model.safetensors`` (quantized Linears as ``qtensors[prefix]``, every
-    other tensor of ``model`` as is, tied ``lm_head`` omitted), ``config.json`` with
+    other tensor of ``model`` as is, tied ``lm_head`` omitted; a quantized ``lm_head`` of a
+    tied model unties the written config), ``config.json`` with
     ``quantization_config`` (and ``quantize_config.json`` for GPTQ), tokenizer and generation
     files copied from ``src_dir``."""
     from safetensors.torch import save_file
@@ -78,6 +79,8 @@ def write_model_folder(model: nn.Module, src_dir: str, out_dir: str,
     with open(os.path.join(src_dir, "config.json"), encoding="utf-8") as f:
         hf_config = json.load(f)
     tied = bool(hf_config.get("tie_word_embeddings", False))
+    if tied and "lm_head" in qtensors:   # a quantized head of its own, the float embedding kept
+        hf_config["tie_word_embeddings"] = False
     tensors: dict[str, torch.Tensor] = {}
     quantized = {p + ".weight" for p in qtensors}
     for name, t in model.state_dict().items():

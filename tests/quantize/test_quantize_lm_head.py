@@ -1,0 +1,93 @@
+"""``nybble quantize --quantize-lm-head``: the output head written as a GPTQ INT8 module
+(GPTQModel's ``lm_head: true`` with a ``dynamic`` override for its settings), the tied
+embedding kept float and the config untied; the engine's loader runs it quantized
+(``quant_head``), and its logits equal the float64 product with the head's published
+dequantization and transformers' forward over the same folder (nybble's quantized modules in a
+transformers model, ``nybble.quantize.hf_model``)."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from nybble.config import DEFAULT_MODEL, ModelConfig
+from nybble.errors import UnsupportedModelError
+from nybble.kernels.cpu.weight_only import error_bound
+from nybble.kernels.reference.attention import TorchAttentionBackend
+from nybble.models.loader import load_model
+from nybble.models.scoring import prefill_logits
+from nybble.quant.linear import GPTQLinear
+from nybble.quantize import hf_model
+from nybble.quantize.driver import QuantizeOptions, quantize_model
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
+    out = str(tmp_path_factory.mktemp("qhead") / "out")
+    opts = QuantizeOptions(method="rtn", bits=4, group_size=32, sym=False, lm_head=True)
+    return out, quantize_model(DEFAULT_MODEL, out, opts, progress=False)
+
+
+def _engine_model(path: str):  # type: ignore[no-untyped-def]
+    return load_model(ModelConfig(model=path, dtype="float32", device="cpu"),
+                      TorchAttentionBackend(), torch.device("cpu"))
+
+
+def test_folder_holds_an_int8_head_and_an_untied_config(quantized) -> None:
+    out, _ = quantized
+    cfg = json.load(open(os.path.join(out, "config.json")))
+    assert cfg["tie_word_embeddings"] is False
+    q = cfg["quantization_config"]
+    assert q["lm_head"] is True and q["bits"] == 4
+    assert q["dynamic"] == {"+:lm_head$": {"bits": 8, "sym": True}}
+    tensors = load_file(os.path.join(out, "model.safetensors"))
+    assert "lm_head.weight" not in tensors
+    assert tensors["lm_head.qweight"].shape == (64 // 4, 512)     # 8 bits: 4 per int32 word
+    assert tensors["lm_head.scales"].shape == (2, 512)             # K = 64 in groups of 32
+    assert tensors["model.embed_tokens.weight"].dtype == torch.float32
+
+
+def test_engine_runs_the_head_quantized(quantized) -> None:
+    out, summary = quantized
+    loaded = _engine_model(out)
+    model = loaded.model
+    head = model.quant_head
+    assert isinstance(head, GPTQLinear) and head.bits == 8 and model.lm_head is None
+    # the published dequantization (fp16 scales times (q - z), rounded to fp16) in float64,
+    # within the CPU kernel's documented bound (it keeps s (q - z) unrounded)
+    w = head.dequantized_weight().double()
+    h = torch.randn(5, 64, generator=torch.Generator().manual_seed(0))
+    want = h.double() @ w.t()
+    err = (model.compute_logits(h).double() - want).abs()
+    bound = error_bound(h, head.int_weight(), head.weight_scales())
+    assert bool((err <= bound).all()) and float(err.max()) > 0
+    ids = [1, 400, 261, 300, 280, 290, 310, 330]
+    hf = hf_model.load_model(out)
+    with torch.no_grad():
+        expected = hf(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(prefill_logits(loaded, [ids])[0], expected, atol=1e-4,
+                               rtol=1e-5)
+    assert summary["report"]["bytes"]["linear_after"] > 0
+
+
+def test_config_without_head_tensors_is_refused(quantized, tmp_path) -> None:
+    out, _ = quantized
+    bad = str(tmp_path / "bad")
+    os.makedirs(bad)
+    for f in os.listdir(out):
+        if f != "model.safetensors":
+            with open(os.path.join(out, f), "rb") as src, open(os.path.join(bad, f), "wb") as dst:
+                dst.write(src.read())
+    tensors = {k: v for k, v in load_file(os.path.join(out, "model.safetensors")).items()
+               if not k.startswith("lm_head.")}
+    save_file(tensors, os.path.join(bad, "model.safetensors"))
+    with pytest.raises(UnsupportedModelError, match="lm_head"):  # named, whichever check fires
+        _engine_model(bad)
+
+
+def test_awq_head_is_refused() -> None:
+    with pytest.raises(ValueError, match="GPTQ-format head"):
+        QuantizeOptions(method="awq", lm_head=True)
