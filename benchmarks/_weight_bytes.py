@@ -64,13 +64,15 @@ def safetensors_weight_bytes(folder: str) -> dict[str, Any]:
 
     Returns a dict: ``per_token_bytes`` (linear + norm + head), ``linear_bytes`` (every
     projection's stored tensors: weight, or qweight + qzeros + scales), ``norm_bytes``,
-    ``head_bytes`` and ``head_dtype`` (``lm_head.weight``, or the embedding when tied),
+    ``head_bytes`` and ``head_dtype`` (``lm_head.weight``, a quantized ``lm_head.*``, or the
+    embedding when tied),
     ``tied``, ``embedding_bytes`` (the table, not counted unless tied), ``g_idx_bytes`` (not
     counted), ``file_bytes`` (all tensors).
 
     Raises:
         FileNotFoundError: no ``*.safetensors`` in ``folder``.
-        ValueError: neither an ``lm_head.weight`` nor tied embeddings give a head.
+        ValueError: neither an ``lm_head.weight``, a quantized ``lm_head.*`` nor tied
+            embeddings give a head.
     """
     files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
     if not files:
@@ -80,15 +82,20 @@ def safetensors_weight_bytes(folder: str) -> dict[str, Any]:
         sizes.update(safetensors_sizes(path))
     with open(os.path.join(folder, "config.json")) as f:
         tied = bool(json.load(f).get("tie_word_embeddings", False))
+    qhead = {n: v for n, v in sizes.items() if n.startswith("lm_head.") and n != _HEAD}
     head_name = _EMBED if tied or _HEAD not in sizes else _HEAD
-    if head_name not in sizes or (head_name == _EMBED and not tied):
-        raise ValueError(f"{folder}: no output head (no {_HEAD} and tie_word_embeddings is "
-                         f"not set)")
+    if not qhead and (head_name not in sizes or (head_name == _EMBED and not tied)):
+        raise ValueError(f"{folder}: no output head (no {_HEAD}, no quantized lm_head.* and "
+                         f"tie_word_embeddings is not set)")
     totals = {"linear": 0, "norm": 0, "g_idx": 0}
     for name, (_, nbytes) in sizes.items():
-        if name not in (_EMBED, _HEAD):
+        if name not in (_EMBED, _HEAD) and name not in qhead:
             totals[_category(name)] += nbytes
-    head_dtype, head_bytes = sizes[head_name]
+    if qhead:   # a quantized head (GPTQModel lm_head: true): its stored tensors, g_idx aside
+        head_dtype = "quantized " + sizes.get("lm_head.qweight", ("?", 0))[0]
+        head_bytes = sum(n for k, (_, n) in qhead.items() if not k.endswith(".g_idx"))
+    else:
+        head_dtype, head_bytes = sizes[head_name]
     return {"per_token_bytes": totals["linear"] + totals["norm"] + head_bytes,
             "linear_bytes": totals["linear"], "norm_bytes": totals["norm"],
             "head_bytes": head_bytes, "head_dtype": head_dtype, "tied": tied,

@@ -81,3 +81,18 @@ def test_weight_bytes_untied_counts_the_head_not_the_table(tmp_path: Path) -> No
 def test_weight_bytes_without_a_head_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="no output head"):
         wb.safetensors_weight_bytes(_folder(tmp_path, tied=False, head=False))
+
+
+def test_weight_bytes_quantized_head_counts_its_tensors(tmp_path: Path) -> None:
+    """GPTQModel's lm_head: true (nybble quantize --quantize-lm-head): the head is its packed
+    tensors, not the float table, and not counted twice among the projections."""
+    folder = _folder(tmp_path, tied=False, head=False)
+    from safetensors.torch import load_file
+    t = load_file(str(tmp_path / "model.safetensors"))
+    t["lm_head.qweight"] = torch.zeros(1, 10, dtype=torch.int32)                    # 40 B
+    t["lm_head.scales"] = torch.zeros(1, 10, dtype=torch.float16)                   # 20
+    t["lm_head.g_idx"] = torch.zeros(4, dtype=torch.int32)                          # not counted
+    save_file(t, str(tmp_path / "model.safetensors"))
+    got = wb.safetensors_weight_bytes(folder)
+    assert (got["head_bytes"], got["head_dtype"]) == (60, "quantized I32")
+    assert got["linear_bytes"] == 68 and got["per_token_bytes"] == 68 + 16 + 60
