@@ -186,34 +186,30 @@ def test_models_it_cannot_take_say_why(tmp_path) -> None:
 def test_engine_uses_it_on_cpu_unless_enforce_eager() -> None:
     """The runner turns the fused step on for the bundled model on the CPU (and greedy text
     equals the op-by-op path's); ``enforce_eager`` keeps the torch path."""
-    from nybble import LLM, SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    prompts = ["Once upon a time", "The dog ran to the", "Lily"]
-    outs = {}
-    for eager in (False, True):
-        llm = LLM(max_num_seqs=4, kv_cache_memory=8 * 2**20, enforce_eager=eager)
-        model = llm.llm_engine.loaded.model
-        assert (model.fused_decode is None) == eager
-        outs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params,
-                                                                   use_tqdm=False)]
+    outs = {eager: greedy_tokens(eager, lambda llm: llm.llm_engine.loaded.model)
+            for eager in (False, True)}
     assert outs[False] == outs[True]
 
 
 def test_speculative_draft_model_runs_it_and_output_is_unchanged() -> None:
     """With a draft model (the bundled model drafting for itself), the runner turns the fused
     step on for the draft too; greedy text equals the op-by-op path's (``enforce_eager``)."""
-    from nybble import LLM, SamplingParams
     from nybble.config import DEFAULT_MODEL
+
+    spec = {"model": DEFAULT_MODEL, "num_speculative_tokens": 3}
+    outs = {eager: greedy_tokens(eager, lambda llm: llm.llm_engine.engine_core.runner.proposer
+                                 .model, speculative_config=spec)
+            for eager in (False, True)}
+    assert outs[False] == outs[True]
+
+
+def greedy_tokens(eager: bool, fused_model, **llm_args) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    """24 greedy tokens for three prompts through ``LLM(enforce_eager=eager, **llm_args)``,
+    after checking that ``fused_model(llm)`` runs the fused step exactly when not eager."""
+    from nybble import LLM, SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     prompts = ["Once upon a time", "The dog ran to the", "Lily"]
-    outs = {}
-    for eager in (False, True):
-        llm = LLM(max_num_seqs=4, kv_cache_memory=8 * 2**20, enforce_eager=eager,
-                  speculative_config={"model": DEFAULT_MODEL, "num_speculative_tokens": 3})
-        draft = llm.llm_engine.engine_core.runner.proposer.model
-        assert (draft.fused_decode is None) == eager
-        outs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params,
-                                                                   use_tqdm=False)]
-    assert outs[False] == outs[True]
+    llm = LLM(max_num_seqs=4, kv_cache_memory=8 * 2**20, enforce_eager=eager, **llm_args)
+    assert (fused_model(llm).fused_decode is None) == eager
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]

@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 import torch
 
-from nybble import LLM, SamplingParams
 from nybble.config import ModelConfig
 from nybble.kernels.cpu.backend import CpuAttentionBackend
 from nybble.kernels.cpu.qgemm import have_bf16
@@ -22,7 +21,7 @@ from nybble.kernels.cpu.weight_only import KERNEL_ROWS
 from nybble.models.loader import load_model
 from tests.conftest import shared_path
 
-from .test_cpu_fused import BLOCK, BLOCKS, _chunk_args, _decode_meta, _prefill
+from .test_cpu_fused import BLOCK, BLOCKS, _chunk_args, _decode_meta, _prefill, greedy_tokens
 
 GGUF = ["stories3m-Q4_0.gguf", "stories3m-Q4_1.gguf", "stories3m-Q4_K_M.gguf",
         "stories3m-Q6_K.gguf"]
@@ -103,16 +102,9 @@ def test_quantized_prefill_chunks_equal_the_torch_path(name: str) -> None:
 def test_engine_greedy_text_is_unchanged(name: str) -> None:
     """The runner turns the fused step on for a quantized model; greedy tokens equal the
     op-by-op path's (``enforce_eager``) on the exact path."""
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    prompts = ["Once upon a time", "The dog ran to the", "Lily"]
-    outs = {}
-    for eager in (False, True):
-        llm = LLM(_path(name), max_num_seqs=4, kv_cache_memory=8 * 2**20, enforce_eager=eager,
-                  cpu_activation_dtype="float32")
-        model = llm.llm_engine.loaded.model
-        assert (model.fused_decode is None) == eager
-        outs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params,
-                                                                   use_tqdm=False)]
+    outs = {eager: greedy_tokens(eager, lambda llm: llm.llm_engine.loaded.model,
+                                 model=_path(name), cpu_activation_dtype="float32")
+            for eager in (False, True)}
     assert outs[False] == outs[True]
 
 
