@@ -63,6 +63,8 @@ class RequestOutput:
             or ``{token_id: logprob}`` holding the prompt token and the top-``k`` tokens;
             complete in the first output that has a generated token (a delta output carries
             it once), else ``None``.
+        num_cached_tokens: prompt tokens found in the prefix cache when the request was
+            first scheduled (vLLM's ``num_cached_tokens``; 0 without prefix caching).
     """
 
     request_id: str
@@ -73,6 +75,7 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_new_tokens: int = 0
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    num_cached_tokens: int = 0
 
     def add(self, later: RequestOutput) -> None:
         """Append a later DELTA output of the same request (vLLM's ``RequestOutput.add``).
@@ -107,6 +110,7 @@ class RequestOutput:
         self.finished = later.finished
         self.metrics = later.metrics or self.metrics
         self.num_new_tokens += later.num_new_tokens
+        self.num_cached_tokens = max(self.num_cached_tokens, later.num_cached_tokens)
 
     def keep_best(self, n: int) -> None:
         """Keep the ``n`` samples with the highest ``cumulative_logprob`` (``best_of``, as

@@ -185,6 +185,8 @@ class EngineCoreOutputs(msgspec.Struct, tag=True):
             ``prompt_logprobs``; a chunked prompt's come over several steps, all before or
             with its first sampled token), or ``None``.
         first_scheduled: ids of the requests scheduled for the first time in this step.
+        num_cached_tokens: per ``first_scheduled`` id, the prompt tokens its first step found
+            in the prefix cache (their K/V was not computed again).
         cumulative_logprobs: per beam-search request that ended in this step, the
             cumulative log-probability of each returned beam (by sample index); its rows
             carry each beam's whole token ids at once.
@@ -202,6 +204,7 @@ class EngineCoreOutputs(msgspec.Struct, tag=True):
     top_logprobs: list[list[float]] | None = None
     prompt_logprobs: list[PromptLogprobs] | None = None
     first_scheduled: list[str] = msgspec.field(default_factory=list)
+    num_cached_tokens: list[int] = msgspec.field(default_factory=list)
     cumulative_logprobs: dict[str, list[float]] | None = None
     scheduled_time: float = 0.0
     stats: EngineStats | None = None

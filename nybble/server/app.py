@@ -20,7 +20,11 @@ from nybble.server import chat, completions, routes_misc
 from nybble.server.config import ServerConfig
 from nybble.server.errors import install_error_handlers
 from nybble.server.metrics import ServerMetrics
-from nybble.server.middleware import BodyLimitMiddleware, InternalErrorMiddleware
+from nybble.server.middleware import (
+    BodyLimitMiddleware,
+    InternalErrorMiddleware,
+    RequestIdMiddleware,
+)
 from nybble.server.openapi import install_openapi
 from nybble.server.state import ServerState, Startup
 from nybble.version import __version__
@@ -52,9 +56,11 @@ def build_app(config: ServerConfig, metrics: ServerMetrics) -> FastAPI:
     app.state.server_config = config
     app.state.metrics = metrics
     install_error_handlers(app)
-    # NOTE: the last added is the outermost: 500s for anything, then the body limit
+    # NOTE: the last added is the outermost: the request id on every answer, 500s for
+    # anything, then the body limit
     app.add_middleware(BodyLimitMiddleware, limit=config.max_request_body_bytes)
     app.add_middleware(InternalErrorMiddleware)
+    app.add_middleware(RequestIdMiddleware)
     install_openapi(app)
     app.include_router(completions.router)
     app.include_router(chat.router)

@@ -69,7 +69,7 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request
     if plan.keeps_special_tokens:
         params.skip_special_tokens = False
     names = ParamNames(prompt="messages", max_tokens=budget, logprobs="top_logprobs")
-    renderer = ChatRenderer(state, req, new_id("chatcmpl"), top, plan)
+    renderer = ChatRenderer(state, req, new_id("chatcmpl", request), top, plan)
     include_usage = req.stream_options is not None and req.stream_options.include_usage
     try:
         return await serve(request, state, renderer, params, names, t0, req.stream,

@@ -17,9 +17,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1",
                         help="interface to bind; 0.0.0.0 listens on every interface")
     parser.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
-    parser.add_argument("--served-model-name", default=None,
-                        help="model name the API reports and accepts (default: the model "
-                             "folder's name)")
+    parser.add_argument("--served-model-name", default=None, nargs="+", metavar="NAME",
+                        help="model names the API accepts; the first is the one responses "
+                             "report, /v1/models lists all (default: the model folder's "
+                             "name)")
     parser.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer <key>' on /v1/*, /tokenize, "
                              "/detokenize and /internal/stats; /health, /metrics and /version "
@@ -107,5 +108,6 @@ def run(args: argparse.Namespace) -> int:
     from nybble.server.launch import run_server
 
     server_config = ServerConfig.from_args(args)
-    engine_config = engine_config_from_args(args, served_model_name=args.served_model_name)
+    engine_config = engine_config_from_args(args, served_model_name=(
+        server_config.served_model_names[0] if server_config.served_model_names else None))
     return run_server(engine_config, server_config)

@@ -79,7 +79,7 @@ async def create_completion(req: CompletionRequest,
     params = beam_params(req, sampling_params(req, req.max_tokens, req.logprobs,
                                               req.logprobs if req.echo else None,
                                               state.sampling_defaults))
-    renderer = CompletionRenderer(state, req, new_id("cmpl"))
+    renderer = CompletionRenderer(state, req, new_id("cmpl", request))
     include_usage = req.stream_options is not None and req.stream_options.include_usage
     return await serve(request, state, renderer, params, DEFAULT_NAMES, t0, req.stream,
                        include_usage)  # type: ignore[return-value]

@@ -23,8 +23,8 @@ class ServerConfig:
     Attributes:
         host: interface to bind (``127.0.0.1`` by default; ``0.0.0.0`` for every interface).
         port: TCP port (default 8000); ``0`` <= port <= 65535.
-        served_model_name: the model name the API reports and accepts; default: the engine's
-            ``model_name``.
+        served_model_names: the model names the API accepts; the first is the one responses
+            report (vLLM's ``--served-model-name a b``); empty: the engine's ``model_name``.
         api_key: when set, every ``/v1`` route needs ``Authorization: Bearer <api_key>``.
         uvicorn_log_level: uvicorn's log level (``info`` logs each request).
         stats_interval_s: seconds between stats lines in the log while busy.
@@ -57,7 +57,7 @@ class ServerConfig:
 
     host: str = "127.0.0.1"
     port: int = 8000
-    served_model_name: str | None = None
+    served_model_names: tuple[str, ...] = ()
     api_key: str | None = None
     uvicorn_log_level: str = "info"
     stats_interval_s: float = 5.0
@@ -112,7 +112,8 @@ class ServerConfig:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServerConfig:
         """Build from ``nybble serve`` flags; the API key falls back to ``$NYBBLE_API_KEY``."""
-        return cls(host=args.host, port=args.port, served_model_name=args.served_model_name,
+        return cls(host=args.host, port=args.port,
+                   served_model_names=tuple(args.served_model_name or ()),
                    api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
                    uvicorn_log_level=args.uvicorn_log_level,
                    stats_interval_s=args.stats_interval,

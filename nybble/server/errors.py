@@ -129,11 +129,12 @@ def install_error_handlers(app: FastAPI) -> None:
         assert isinstance(exc, RequestValidationError)
         message, param = _validation_message(exc)
         ctype = request.headers.get("content-type")
-        if ctype is not None and not _is_json(ctype) and \
+        if (ctype is None or not _is_json(ctype)) and \
                 any(tuple(e.get("loc", ())) == ("body",) for e in exc.errors()):
             # NOTE: FastAPI parses JSON only under a JSON content type (curl -d sends a form)
+            got = "no Content-Type" if ctype is None else f"Content-Type {ctype!r}"
             message = ("the request body must be a JSON object sent with Content-Type: "
-                       f"application/json, got Content-Type {ctype!r}")
+                       f"application/json, got {got}")
         return error_response(400, message, param=param)
 
     async def on_http(_: Request, exc: Exception) -> JSONResponse:

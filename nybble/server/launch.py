@@ -107,7 +107,8 @@ async def _serve(client: CoreClient, sock: socket.socket, engine_config: EngineC
     mc = engine_config.model_config
     folder = mc.tokenizer_folder
     tokenizer = Tokenizer.from_folder(folder) if has_tokenizer_file(folder) else None
-    model_name = server_config.served_model_name or mc.name
+    names = server_config.served_model_names or (mc.name,)
+    model_name = names[0]
     metrics = ServerMetrics(model_name)
     app = build_app(server_config, metrics)
     startup = app.state.startup
@@ -146,6 +147,7 @@ async def _serve(client: CoreClient, sock: socket.socket, engine_config: EngineC
     gate = InputProcessor(tokenizer, ready.limits, ready.eos_token_ids)
     attach_engine(app, ServerState(
         engine=engine, input_processor=gate, config=server_config, model_name=model_name,
+        model_aliases=names[1:],
         model_path=os.path.basename(os.path.normpath(mc.model)), tokenizer=tokenizer,
         max_model_len=ready.limits.max_model_len, metrics=metrics,
         executor=ThreadPoolExecutor(server_config.api_threads, thread_name_prefix="nybble-api"),

@@ -11,7 +11,9 @@ sample's tokens in order and gives each token
 - its **string**: the characters its bytes complete in the returned text (fed through an
   incremental UTF-8 decoder). A token that ends inside a multi-byte character completes
   none: its string is OpenAI's ``"bytes:\\xe4\\xbd"`` form, and the token that completes the
-  character carries it;
+  character carries it; a token that adds no bytes to the text (SentencePiece's lone word
+  start before a newline at the start of a text) is ``""``, so the strings of a sample,
+  ``bytes:`` forms left out, concatenate to its text;
 - its **text offset**: the index in the returned text of the first character its bytes
   belong to (completions ``text_offset``), so the pieces of a character split over several
   tokens all point at that character.
@@ -55,7 +57,12 @@ class Piece:
 
 
 def _label(completed: str, raw: bytes) -> str:
-    return completed if completed else "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+    """A token's string: the characters it completes; ``""`` when it adds no bytes (a
+    SentencePiece word start the decoder drops, as the ``"\u2581"`` before a leading newline);
+    OpenAI's ``bytes:`` form only for bytes that end inside a character."""
+    if completed or not raw:
+        return completed
+    return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
 
 class SampleDecoder:

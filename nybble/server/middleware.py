@@ -1,4 +1,5 @@
-"""ASGI middleware: the request body limit, and 500 answers that keep the connection.
+"""ASGI middleware: the request body limit, 500 answers that keep the connection, and the
+``X-Request-Id`` echo.
 
 - :class:`BodyLimitMiddleware` refuses a body larger than ``--max-request-body-bytes`` with
   a 413 OpenAI error body: at once when ``Content-Length`` says so (nothing is read), else
@@ -7,10 +8,34 @@
   body carrying a short message (the traceback goes to the log with an error id), and does
   not re-raise it. Starlette's own last-resort handler re-raises after answering, and uvicorn
   then closes the connection, so a keep-alive client would lose it with every 500.
+- :class:`RequestIdMiddleware` echoes a request's ``X-Request-Id`` header on its answer
+  (errors too); the generation routes also make it the request's id (:func:`request_id`).
 """
 from __future__ import annotations
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+REQUEST_ID_HEADER = b"x-request-id"
+MAX_REQUEST_ID_CHARS = 128
+"""A longer ``X-Request-Id`` (or one with characters outside printable ASCII) is ignored."""
+
+
+def client_request_id(headers: list[tuple[bytes, bytes]] | dict[str, str]) -> str | None:
+    """The client's ``X-Request-Id`` when it is usable as an id: 1 to
+    :data:`MAX_REQUEST_ID_CHARS` printable ASCII characters without spaces; else ``None``.
+
+    Args:
+        headers: ASGI raw headers (lower-case byte names) or a mapping (Starlette's
+            case-insensitive ``request.headers``).
+    """
+    if isinstance(headers, list):
+        raw = dict(headers).get(REQUEST_ID_HEADER)
+        value = raw.decode("latin-1") if raw is not None else None
+    else:
+        value = headers.get("x-request-id")
+    if value is None or not 0 < len(value) <= MAX_REQUEST_ID_CHARS:
+        return None
+    return value if all(33 <= ord(c) < 127 for c in value) else None
 
 from nybble.server.errors import RequestTooLargeError, error_response, response_for
 
@@ -82,3 +107,25 @@ class InternalErrorMiddleware:
             if started:
                 raise
             await response_for(exc)(scope, receive, send)
+
+
+class RequestIdMiddleware:
+    """Echo a usable ``X-Request-Id`` request header (:func:`client_request_id`) on the
+    answer, as vLLM does."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        rid = client_request_id(scope["headers"]) if scope["type"] == "http" else None
+        if rid is None:
+            await self.app(scope, receive, send)
+            return
+
+        async def tag(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [h for h in message.get("headers", []) if h[0] != REQUEST_ID_HEADER]
+                message = {**message, "headers": [*headers, (REQUEST_ID_HEADER, rid.encode())]}
+            await send(message)
+
+        await self.app(scope, receive, tag)

@@ -18,7 +18,7 @@ Every model here derives from :class:`RequestModel` (``request_base.py``): stric
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     Discriminator,
@@ -159,10 +159,14 @@ class CompletionRequest(_SamplingFields):
     ``logprobs``: top-N log-probabilities per generated token, and per prompt token with
     ``echo`` (prompt logprobs; the first prompt token's is ``null``). ``max_tokens: 0``
     generates nothing (scoring: with ``echo``, only the prompt comes back).
+    ``max_tokens`` left out is 16 (OpenAI); ``null`` is the rest of each prompt's own
+    context (vLLM).
     ``use_beam_search`` (vLLM's extra parameter): ``n`` beams, all returned best first;
     ``length_penalty`` and ``early_stopping`` as in transformers (docs/serving.md, "Beam
     search"); the gate checks them.
     """
+
+    NULL_IS_VALUE: ClassVar[frozenset[str]] = frozenset({"max_tokens"})
 
     prompt: Prompt
     max_tokens: int | None = 16
@@ -250,6 +254,11 @@ class ChatMessage(RequestModel):
         # NOTE: here rather than on ContentPart, so the 400 says only this (not also why
         # the list is not a string)
         parts = data.get("content") if isinstance(data, dict) else None
+        role = data.get("role") if isinstance(data, dict) else None
+        if parts is None and isinstance(role, str) and role != "assistant":
+            # NOTE: only an assistant turn may leave content out (it then carries tool_calls)
+            raise ValueError(f"content of a {role!r} message must be a string or a list of "
+                             f"text parts, got null")
         if parts == []:
             raise ValueError("content must be a string or a non-empty list of text parts, "
                              "got []")

@@ -6,13 +6,15 @@ allows must be what the server accepts:
 - types are strict (OpenAI's): ``"n": 1.0``, ``"n": "1"`` or ``"stream": 1`` are 400s, not
   coerced; a float field takes an integer;
 - an optional field sent as JSON ``null`` is the same as the field left out (its default),
-  and the schema marks every optional field nullable;
+  except the fields a model names in ``NULL_IS_VALUE`` (completions' ``max_tokens: null``
+  is vLLM's "the rest of the context", left out it is 16); the schema marks every optional
+  field nullable;
 - every string is valid Unicode: a lone UTF-16 surrogate (``"\\ud800"`` in the JSON) is a 400
   naming the field, before anything tokenizes or echoes it.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
@@ -66,16 +68,19 @@ def _first_surrogate(value: Any) -> str | None:
 
 
 class RequestModel(BaseModel):
-    """Strict types; ``null`` = omitted; every optional field nullable in the schema."""
+    """Strict types; ``null`` = omitted (but for the fields in ``NULL_IS_VALUE``); every
+    optional field nullable in the schema."""
 
     model_config = ConfigDict(extra="ignore", strict=True,
                               json_schema_extra=_nullable_optionals)  # type: ignore[typeddict-item]
+    NULL_IS_VALUE: ClassVar[frozenset[str]] = frozenset()
+    """Fields whose ``null`` is a value of its own, not the default."""
 
     @model_validator(mode="before")
     @classmethod
     def _null_is_omitted(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            return {k: v for k, v in data.items() if v is not None}
+            return {k: v for k, v in data.items() if v is not None or k in cls.NULL_IS_VALUE}
         return data
 
 

@@ -11,12 +11,20 @@ def _now() -> int:
     return int(time.time())
 
 
+class PromptTokensDetails(BaseModel):
+    """OpenAI's ``usage.prompt_tokens_details``: ``cached_tokens`` are prompt tokens whose
+    K/V came from the prefix cache."""
+
+    cached_tokens: int = 0
+
+
 class UsageInfo(BaseModel):
     """Token counts of a response (prompt counted once per prompt, not per sample)."""
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogProbs(BaseModel):

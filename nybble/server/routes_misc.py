@@ -31,8 +31,10 @@ _BODY_ERRORS = error_responses(400, 401, 404, 413, 500, 503)
 
 @v1_router.get("/v1/models")
 async def list_models(request: Request) -> ModelList:
-    """The one served model (``root`` is the model folder's name, never its path)."""
-    return ModelList(data=[_card(get_state(request))])
+    """The served model, one card per served name (``root`` is the model folder's name,
+    never its path)."""
+    state = get_state(request)
+    return ModelList(data=[_card(state, name) for name in state.model_names])
 
 
 @v1_router.get("/v1/models/{model:path}", responses=error_responses(404))
@@ -41,11 +43,11 @@ async def retrieve_model(model: str, request: Request) -> ModelCard:
     (``model_not_found``) for any other id."""
     state = get_state(request)
     state.check_model(model)
-    return _card(state)
+    return _card(state, model)
 
 
-def _card(state: ServerState) -> ModelCard:
-    return ModelCard(id=state.model_name, root=state.model_path,
+def _card(state: ServerState, name: str) -> ModelCard:
+    return ModelCard(id=name, root=state.model_path,
                      max_model_len=state.max_model_len)
 
 

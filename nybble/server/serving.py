@@ -31,6 +31,7 @@ from nybble.sampling_params import SamplingParams
 from nybble.server.protocol import ChatMessage, ChatOptions, _SamplingFields
 from nybble.server.responses import UsageInfo
 from nybble.server.sampling_fields import guided_decoding, logit_bias
+from nybble.server.middleware import client_request_id
 from nybble.server.state import ServerState, run_blocking
 from nybble.server.tool_choice import check_tools
 from nybble.server.streams import (
@@ -45,9 +46,15 @@ from nybble.server.streams import (
 )
 
 
-def new_id(prefix: str) -> str:
-    """A fresh response id such as ``cmpl-<32 hex>``."""
-    return f"{prefix}-{uuid.uuid4().hex}"
+def new_id(prefix: str, request: Request | None = None) -> str:
+    """The response id: ``<prefix>-<X-Request-Id>`` when ``request`` carries a usable one
+    (:func:`nybble.server.middleware.client_request_id`; then the engine's request ids and
+    its log lines carry it too), else ``<prefix>-<32 hex>``.
+
+    NOTE: a client id still in flight makes the second request a 400 (ids must be unique
+    while they run)."""
+    rid = client_request_id(request.headers) if request is not None else None
+    return f"{prefix}-{rid if rid is not None else uuid.uuid4().hex}"
 
 
 def arrival() -> float:

@@ -42,6 +42,7 @@ class ServerState:
         input_processor: the engine's request gate (stateless: called on the event loop).
         config: the server settings.
         model_name: the name the API reports and accepts.
+        model_aliases: further names the API accepts for the same model.
         model_path: the model folder (``/v1/models`` ``root``).
         tokenizer: the model's tokenizer (prompts, chat templates, logprob tokens).
         max_model_len: longest sequence, prompt + output (tokens).
@@ -65,6 +66,7 @@ class ServerState:
     executor: ThreadPoolExecutor
     max_token_chars: int
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    model_aliases: tuple[str, ...] = ()
 
     @property
     def max_prompt_chars(self) -> int:
@@ -73,14 +75,20 @@ class ServerState:
         return self.max_model_len * self.max_token_chars * PROMPT_CHAR_SLACK
 
     def check_model(self, model: str | None) -> None:
-        """Accept ``model`` if it is ``None`` or the served name.
+        """Accept ``model`` if it is ``None`` or a served name.
 
         Raises:
             ModelNotFoundError: another name (HTTP 404).
         """
-        if model is not None and model != self.model_name:
+        if model is not None and model not in self.model_names:
+            served = ", ".join(f"`{n}`" for n in self.model_names)
             raise ModelNotFoundError(
-                f"The model `{model}` does not exist; this server serves `{self.model_name}`")
+                f"The model `{model}` does not exist; this server serves {served}")
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """Every name the API accepts, the reported one first."""
+        return (self.model_name, *self.model_aliases)
 
 
 class Startup:

@@ -21,7 +21,7 @@ from nybble.outputs import RequestOutput
 from nybble.runtime.frontend.async_engine import RequestStream
 from nybble.server.errors import error_payload
 from nybble.server.logprobs import CONTEXT_TOKENS, SampleDecoder
-from nybble.server.responses import UsageInfo
+from nybble.server.responses import PromptTokensDetails, UsageInfo
 from nybble.server.state import ServerState
 
 DISCONNECT_POLL_S = 0.1
@@ -117,11 +117,13 @@ async def collect(request: Request, state: ServerState,
 
 
 def usage_of(outputs: list[RequestOutput]) -> UsageInfo:
-    """Usage over whole results: the prompt once per prompt, every sample's tokens."""
+    """Usage over whole results: the prompt once per prompt, every sample's tokens, and the
+    prompt tokens the prefix cache held (``prompt_tokens_details.cached_tokens``)."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    cached = PromptTokensDetails(cached_tokens=sum(o.num_cached_tokens for o in outputs))
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
-                     total_tokens=prompt + completion)
+                     total_tokens=prompt + completion, prompt_tokens_details=cached)
 
 
 @dataclass(slots=True)
@@ -168,10 +170,13 @@ class DeltaTracker:
         self.text_offsets = text_offsets
         self._samples: dict[tuple[int, int], _Sample] = {}
         self._prompt_tokens: dict[int, int] = {}
+        self._cached_tokens: dict[int, int] = {}
 
     def deltas(self, prompt_index: int, out: RequestOutput) -> list[Delta]:
         """The deltas to send for ``out``: samples with new text, or that finished."""
         self._prompt_tokens[prompt_index] = len(out.prompt_token_ids)
+        self._cached_tokens[prompt_index] = max(self._cached_tokens.get(prompt_index, 0),
+                                                out.num_cached_tokens)
         result = []
         for o in out.outputs:
             key = (prompt_index, o.index)
@@ -191,11 +196,13 @@ class DeltaTracker:
         return result
 
     def usage(self) -> UsageInfo:
-        """Usage of what was streamed: each prompt once, every sample's tokens."""
+        """Usage of what was streamed: each prompt once, every sample's tokens, the prompt
+        tokens the prefix cache held."""
         prompt = sum(self._prompt_tokens.values())
         completion = sum(s.num_tokens for s in self._samples.values())
+        cached = PromptTokensDetails(cached_tokens=sum(self._cached_tokens.values()))
         return UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
-                         total_tokens=prompt + completion)
+                         total_tokens=prompt + completion, prompt_tokens_details=cached)
 
 
 def sse(payload: BaseModel | dict[str, object]) -> str:

@@ -66,4 +66,4 @@ def test_api_key_from_flag_or_environment(monkeypatch: pytest.MonkeyPatch) -> No
     assert ServerConfig.from_args(parse_serve(["--api-key", "flag"])).api_key == "flag"
     args = parse_serve(["some/model", "--port", "9001", "--served-model-name", "m"])
     config = ServerConfig.from_args(args)
-    assert (config.port, config.served_model_name, args.model_tag) == (9001, "m", "some/model")
+    assert (config.port, config.served_model_names, args.model_tag) == (9001, ("m",), "some/model")

@@ -62,9 +62,12 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("chat-unknown-role", "/v1/chat/completions",
      {**CHAT, "messages": [{"role": "wizard", "content": "Hi"}]}, 400, "messages"),
     # The request gate: every range, named with the endpoint's own parameter names.
-    # max_tokens: null is max_tokens left out (16): 512 + 16 tokens do not fit
-    ("completion-no-room", "/v1/completions", {**OK_BODY, "prompt": [1] * 512,
-                                               "max_tokens": None}, 400, "max_tokens"),
+    # max_tokens left out is 16: 500 + 16 tokens do not fit
+    ("completion-no-room", "/v1/completions", {"model": "stories260k", "prompt": [1] * 500},
+     400, "max_tokens"),
+    # max_tokens: null is the rest of the context (vLLM): a full prompt leaves none
+    ("completion-null-no-room", "/v1/completions", {**OK_BODY, "prompt": [1] * 512,
+                                                    "max_tokens": None}, 400, "prompt"),
     ("chat-no-room", "/v1/chat/completions",
      {**CHAT, "messages": [{"role": "user", "content": "Hi. " * 600}]}, 400, "messages"),
     ("chat-max-completion-tokens-negative", "/v1/chat/completions",

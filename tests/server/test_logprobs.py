@@ -105,3 +105,47 @@ def test_byte_level_tokens_add_up_to_the_text() -> None:
     assert b"".join(tok.token_bytes(i) or b"" for i in ids) == expected.encode()
     pieces, _ = SampleDecoder(tok, context).pieces(ids)
     assert "".join(p.token for p in pieces if not p.token.startswith("bytes:")) == expected
+
+
+LEADING = ["\nHello there", " lead space", "\n\n日本 ok", "Once\n upon", "\t🙂 é"]
+"""Prompts that start with a newline, a space, a tab or a multi-byte character: SentencePiece
+spells their start with a lone word-start token that the decoded text drops."""
+
+
+def _is_utf8(raw: bytes) -> bool:
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("text", LEADING)
+def test_leading_whitespace_pieces_concatenate_to_the_text(tok: Tokenizer, text: str) -> None:
+    """An echoed prompt from its BOS (the server's echo path): a token that adds no bytes is
+    ``""``, never a ``bytes:`` form; ``bytes:`` only where the bytes end inside a character."""
+    ids = tok.encode(text)
+    bos = frozenset({ids[0]})
+    pieces, _ = SampleDecoder(tok, [], hidden=bos).pieces(ids)
+    shown = [p for i, p in zip(ids, pieces, strict=True) if i not in bos]
+    assert "".join(p.token for p in shown if not p.token.startswith("bytes:")) \
+        == tok.decode(ids, skip_special_tokens=True)
+    assert b"".join(p.raw for p in shown) == text.encode()
+    for p in shown:
+        assert p.token != "bytes:"
+        if p.token.startswith("bytes:"):
+            assert not _is_utf8(p.raw)
+    if not text[0].isalnum():
+        assert any(p.token == "" and p.raw == b"" for p in shown)   # the lone word start
+
+
+@pytest.mark.parametrize("text", LEADING)
+def test_completion_pieces_after_a_prompt_concatenate_to_the_text(tok: Tokenizer,
+                                                                  text: str) -> None:
+    context = tok.encode("Once")
+    ids = tok.backend.encode(text, add_special_tokens=False).ids
+    expected = tok.decode(context + ids, skip_special_tokens=True)[
+        len(tok.decode(context, skip_special_tokens=True)):]
+    pieces, _ = SampleDecoder(tok, context).pieces(ids)
+    assert "".join(p.token for p in pieces if not p.token.startswith("bytes:")) == expected
+    assert all(p.token != "bytes:" for p in pieces)

@@ -52,9 +52,13 @@ def test_explicit_null_is_the_field_left_out(server: Server, path: str, base: di
         for name in nulls:
             assert _answer(c.post(path, json={**base, name: None})) == expected, name
         assert _answer(c.post(path, json={**base, **dict.fromkeys(nulls)})) == expected
-        # max_tokens: null is the default: 16 for completions, the rest of the context for chat
-        sixteen = c.post("/v1/completions", json={**GREEDY, "max_tokens": None}).json()
+        # completions' max_tokens left out is 16; null is the rest of the context (vLLM)
+        left_out = {k: v for k, v in GREEDY.items() if k != "max_tokens"}
+        sixteen = c.post("/v1/completions", json={**left_out, "ignore_eos": True}).json()
         assert sixteen["usage"]["completion_tokens"] == 16
+        rest = c.post("/v1/completions", json={**GREEDY, "max_tokens": None,
+                                                "ignore_eos": True}).json()["usage"]
+        assert rest["prompt_tokens"] + rest["completion_tokens"] == 512
 
 
 def _events(r: httpx.Response) -> list[dict[str, Any]]:

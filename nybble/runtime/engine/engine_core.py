@@ -376,7 +376,7 @@ class EngineCore:
 
     def _run(self, batch: ScheduledBatch) -> EngineCoreOutputs:
         outputs = EngineCoreOutputs(scheduled_time=time.monotonic())
-        self._note_scheduled(batch.seq_ids, outputs)
+        self._note_scheduled(batch, outputs)
         result = self.runner.execute(batch)
         beam_rows = None
         if result.counts is None:
@@ -437,12 +437,17 @@ class EngineCore:
                 self.scheduler.finish(sid, int(FinishReason.STOPPED))
                 finish[row[0]] = int(FinishReason.STOPPED)
 
-    def _note_scheduled(self, seq_ids: np.ndarray, outputs: EngineCoreOutputs) -> None:
+    def _note_scheduled(self, batch: ScheduledBatch, outputs: EngineCoreOutputs) -> None:
+        seq_ids = batch.seq_ids
         self._num_steps += 1
         self._peak_seqs = max(self._peak_seqs, len(seq_ids))
         if self._unscheduled:
-            for sid in set(seq_ids.tolist()) & self._unscheduled.keys():
-                outputs.first_scheduled.append(self._unscheduled.pop(sid))
+            for row, sid in enumerate(seq_ids.tolist()):
+                if sid in self._unscheduled:
+                    outputs.first_scheduled.append(self._unscheduled.pop(sid))
+                    # NOTE: a first step starts at the prefix-cache hit (num_computed)
+                    start = int(batch.query_start_loc[row])
+                    outputs.num_cached_tokens.append(int(batch.positions[start]))
 
     def _note_live_tokens(self) -> None:
         """Tokens whose K/V the last step's sequences still hold (finished ones freed theirs)."""

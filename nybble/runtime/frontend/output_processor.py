@@ -84,9 +84,11 @@ class OutputProcessor:
             this step, which the engine core must finish (reason ``STOPPED``).
         """
         now = time.monotonic()
-        for rid in core.first_scheduled:
+        cached = core.num_cached_tokens or [0] * len(core.first_scheduled)
+        for rid, hit in zip(core.first_scheduled, cached, strict=True):
             if rid in self.requests:
                 self.requests[rid].metrics.first_scheduled_time = core.scheduled_time
+                self.requests[rid].num_cached_tokens = hit
         changed: dict[str, Request] = {}
         stopped: list[tuple[str, int]] = []
         for rid, values in (core.cumulative_logprobs or {}).items():

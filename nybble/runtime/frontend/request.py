@@ -42,6 +42,7 @@ class Request:
         metrics: timestamps (seconds, ``time.monotonic()``).
         prompt_logprobs: with ``prompt_logprobs`` asked, the entries received so far (the
             first is ``None``), else ``None``.
+        num_cached_tokens: prompt tokens its first step found in the prefix cache.
     """
 
     request_id: str
@@ -55,6 +56,7 @@ class Request:
     changed: set[int] = field(default_factory=set)   # samples with news since the last delta
     prompt_logprobs: list[dict[int, float] | None] | None = None
     prompt_logprobs_sent: bool = False                # a delta carried them already
+    num_cached_tokens: int = 0
 
     @classmethod
     def create(cls, request_id: str, prompt: str | None, prompt_ids: list[int],
@@ -101,7 +103,7 @@ class Request:
         out = RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs,
                             self.finished, self.metrics, self.new_tokens,
                             list(self.prompt_logprobs) if self._prompt_logprobs_done()
-                            else None)
+                            else None, self.num_cached_tokens)
         if self.finished and len(outs) > self.params.n:
             out.keep_best(self.params.n)
         return out
@@ -129,4 +131,5 @@ class Request:
         if not self.prompt_logprobs_sent and self._prompt_logprobs_done():
             prompt_logprobs, self.prompt_logprobs_sent = self.prompt_logprobs, True
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs,
-                             self.finished, self.metrics, self.new_tokens, prompt_logprobs)
+                             self.finished, self.metrics, self.new_tokens, prompt_logprobs,
+                             self.num_cached_tokens)
