@@ -132,12 +132,11 @@ class LLM:
         tok = self.get_tokenizer()
         prompts: list[PromptType] = []
         for conversation in batch:
-            text = tok.apply_chat_template(
+            prompts.append(tok.encode_conversation(
                 template_messages(list(conversation)),  # type: ignore[arg-type]
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message, chat_template=chat_template,
-                template_kwargs=chat_template_kwargs, tools=tools)
-            prompts.append(tok.encode(text, add_special_tokens=False))
+                template_kwargs=chat_template_kwargs, tools=tools))
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,

@@ -121,7 +121,8 @@ def render_chat(state: ServerState, req: ChatOptions,
     thread, :func:`run_blocking`.
 
     The template already emits BOS, so the rendered text is tokenized without adding special
-    tokens again. The messages, then the rendered text, pass :func:`check_prompt_chars` first.
+    tokens again; only the template's own markers are special tokens
+    (:func:`nybble.tokenizer.chat_encode.encode_conversation`). The messages, then the rendered text, pass :func:`check_prompt_chars` first.
 
     Raises:
         InvalidRequestError: the conversation is too long, there is no chat template, or the
@@ -129,12 +130,14 @@ def render_chat(state: ServerState, req: ChatOptions,
     """
     conversation = template_messages([m.template_dict() for m in messages])
     check_prompt_chars(state, "".join(m["content"] for m in conversation), "messages")
-    text = state.tokenizer.apply_chat_template(
-        conversation, add_generation_prompt=req.add_generation_prompt,
-        continue_final_message=req.continue_final_message, chat_template=req.chat_template,
-        template_kwargs=req.chat_template_kwargs, tools=check_tools(req.tools))
+    options = dict(add_generation_prompt=req.add_generation_prompt,
+                   continue_final_message=req.continue_final_message,
+                   chat_template=req.chat_template, template_kwargs=req.chat_template_kwargs,
+                   tools=check_tools(req.tools))
+    text = state.tokenizer.apply_chat_template(conversation, **options)
     check_prompt_chars(state, text, "messages")
-    return state.tokenizer.encode(text, add_special_tokens=False)
+    # NOTE: text in a message that spells a control token stays text (prompt injection)
+    return state.tokenizer.encode_conversation(conversation, text, **options)
 
 
 class Renderer(Protocol):

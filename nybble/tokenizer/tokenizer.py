@@ -25,6 +25,7 @@ from tokenizers.decoders import DecodeStream
 
 from nybble.config import TOKENIZER_FILE, has_tokenizer_file
 from nybble.errors import InvalidRequestError
+from nybble.tokenizer.chat_encode import encode_conversation
 from nybble.tokenizer.chat_template import render_chat_template
 
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token",
@@ -150,6 +151,35 @@ class Tokenizer:
         ``add_special_tokens``)."""
         batch = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)
         return list(batch[0].ids)
+
+    @functools.cached_property
+    def special_token_ids(self) -> dict[str, int]:
+        """The text of every special added token (``<s>``, ``<|im_end|>``) -> its id."""
+        return {t.content: i for i, t in self.backend.get_added_tokens_decoder().items()
+                if t.special}
+
+    @property
+    def special_token_strings(self) -> frozenset[str]:
+        """The texts of the special added tokens."""
+        return frozenset(self.special_token_ids)
+
+    @functools.cached_property
+    def _plain_backend(self) -> RustTokenizer:
+        plain = RustTokenizer.from_str(self.backend.to_str())
+        plain.encode_special_tokens = True
+        return plain
+
+    def encode_plain(self, text: str) -> list[int]:
+        """Token ids of ``text`` read as text only: a special token's string inside it is
+        tokenized like any other text (no special tokens added either). A copy of the
+        backend does it, so concurrent :meth:`encode` calls are not affected."""
+        return list(self._plain_backend.encode_batch([text], add_special_tokens=False)[0].ids)
+
+    def encode_conversation(self, messages: list[dict[str, Any]], rendered: str | None = None,
+                            **template_options: Any) -> list[int]:
+        """:func:`nybble.tokenizer.chat_encode.encode_conversation`: the chat template's
+        ids, special tokens only where the template wrote them."""
+        return encode_conversation(self, messages, rendered, **template_options)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """The text of ``ids`` (spaces before punctuation cleaned up when the tokenizer config

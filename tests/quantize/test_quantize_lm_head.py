@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from nybble.config import DEFAULT_MODEL, ModelConfig
 from nybble.errors import UnsupportedModelError
+from nybble.kernels.cpu import qgemm_pack
 from nybble.kernels.cpu.weight_only import error_bound
 from nybble.kernels.reference.attention import TorchAttentionBackend
 from nybble.models.loader import load_model
@@ -31,8 +32,9 @@ def quantized(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
     return out, quantize_model(DEFAULT_MODEL, out, opts, progress=False)
 
 
-def _engine_model(path: str):  # type: ignore[no-untyped-def]
-    return load_model(ModelConfig(model=path, dtype="float32", device="cpu"),
+def _engine_model(path: str, activations: str = "auto"):  # type: ignore[no-untyped-def]
+    return load_model(ModelConfig(model=path, dtype="float32", device="cpu",
+                                  cpu_activation_dtype=activations),
                       TorchAttentionBackend(), torch.device("cpu"))
 
 
@@ -57,18 +59,29 @@ def test_engine_runs_the_head_quantized(quantized) -> None:
     head = model.quant_head
     assert isinstance(head, GPTQLinear) and head.bits == 8 and model.lm_head is None
     # the published dequantization (fp16 scales times (q - z), rounded to fp16) in float64,
-    # within the CPU kernel's documented bound (it keeps s (q - z) unrounded)
+    # within the documented bound of the CPU kernel that runs it (it keeps s (q - z)
+    # unrounded): the float32 weight-only one, or with AVX-512 BF16 the bf16-dot one, whose
+    # bound is against the bf16-rounded activations
     w = head.dequantized_weight().double()
     h = torch.randn(5, 64, generator=torch.Generator().manual_seed(0))
-    want = h.double() @ w.t()
+    if head.cpu_packed is not None:
+        # its bound is against the exact s (q - z) (no fp16 rounding of the products)
+        iw, scales = head.int_weight(), head.weight_scales().double()
+        rows = torch.arange(iw.q.shape[0]) // iw.group_size
+        exact = (iw.q.double() - iw.zero.double()[rows]) * scales[rows]        # [K, N]
+        want = qgemm_pack.round_bf16(h).double() @ exact
+        bound = qgemm_pack.error_bound(h, iw, head.weight_scales())
+    else:
+        want = h.double() @ w.t()
+        bound = error_bound(h, head.int_weight(), head.weight_scales())
     err = (model.compute_logits(h).double() - want).abs()
-    bound = error_bound(h, head.int_weight(), head.weight_scales())
     assert bool((err <= bound).all()) and float(err.max()) > 0
     ids = [1, 400, 261, 300, 280, 290, 310, 330]
     hf = hf_model.load_model(out)
     with torch.no_grad():
         expected = hf(torch.tensor([ids])).logits[0]
-    torch.testing.assert_close(prefill_logits(loaded, [ids])[0], expected, atol=1e-4,
+    exact = _engine_model(out, "float32")   # the exact path: transformers' float32 sums
+    torch.testing.assert_close(prefill_logits(exact, [ids])[0], expected, atol=1e-4,
                                rtol=1e-5)
     assert summary["report"]["bytes"]["linear_after"] > 0
 
