@@ -56,14 +56,16 @@ extensions.append(Extension(
     depends=[f"{CPU}/wo_gemm.h", f"{CPU}/wo_struct.pxi", f"{CPU}/cpu_arrays.pxi",
              f"{CPU}/cpu_features.h"],
     extra_compile_args=["-O3"]))
-# The CPU quantized GEMM with bf16 dot products (nybble/kernels/cpu/qgemm.pyx + .h): the
-# AVX-512 BF16 path is compiled for that target alone (function attributes) and chosen at run
-# time; no -ffast-math (the bf16 rounding and the sums' order are part of its contract).
+# The CPU quantized GEMM with bf16 or VNNI integer dot products (nybble/kernels/cpu/qgemm.pyx,
+# qgemm.h, idot.h): the AVX-512 BF16 / VNNI paths are compiled for those targets alone
+# (function attributes) and chosen at run time; no -ffast-math (the bf16 rounding and the
+# sums' order are part of the contract).
 extensions.append(Extension(
     "nybble.kernels.cpu.qgemm", ["nybble/kernels/cpu/qgemm.pyx"], define_macros=macros,
     include_dirs=["nybble/kernels/cpu", np.get_include()],
-    depends=["nybble/kernels/cpu/qgemm.h", "nybble/kernels/cpu/qgemm_struct.pxi",
-             "nybble/kernels/cpu/cpu_arrays.pxi", "nybble/kernels/cpu/cpu_features.h"],
+    depends=["nybble/kernels/cpu/qgemm.h", "nybble/kernels/cpu/idot.h",
+             "nybble/kernels/cpu/qgemm_struct.pxi", "nybble/kernels/cpu/cpu_arrays.pxi",
+             "nybble/kernels/cpu/cpu_features.h"],
     extra_compile_args=["-O3"]))
 # The fused CPU decode step (nybble/kernels/cpu/decoder.pyx + .h, which includes qgemm.h for
 # packed projections); the same float flags as the attention kernel, so the dense dot products'
@@ -71,8 +73,9 @@ extensions.append(Extension(
 extensions.append(Extension(
     "nybble.kernels.cpu.decoder", [f"{CPU}/decoder.pyx"], define_macros=macros,
     include_dirs=[CPU, np.get_include()],
-    depends=[f"{CPU}/decoder.h", f"{CPU}/qgemm.h", f"{CPU}/qgemm_struct.pxi", f"{CPU}/wo_gemm.h",
-             f"{CPU}/wo_struct.pxi", f"{CPU}/cpu_arrays.pxi", f"{CPU}/cpu_features.h"],
+    depends=[f"{CPU}/decoder.h", f"{CPU}/qgemm.h", f"{CPU}/idot.h", f"{CPU}/qgemm_struct.pxi",
+             f"{CPU}/wo_gemm.h", f"{CPU}/wo_struct.pxi", f"{CPU}/cpu_arrays.pxi",
+             f"{CPU}/cpu_features.h"],
     extra_compile_args=["-O3", "-fno-math-errno", "-fno-signed-zeros", "-fno-trapping-math",
                         "-fassociative-math"]))
 

@@ -21,6 +21,8 @@ DEFAULT_MODEL = os.path.join(os.path.dirname(__file__), "_bundled", "stories260k
 """Path of the bundled real model (Karpathy's stories260K in Hugging Face Llama format)."""
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
+CPU_ACTIVATION_DTYPES = ("auto", "int16", "int8", "bfloat16", "float32")
+"""What ``ModelConfig.cpu_activation_dtype`` (``--cpu-activation-dtype``) may be."""
 _ATTN_BACKENDS = ("auto", "cpu", "torch", "triton")
 _QUANT = (None, "awq", "gptq", "compressed-tensors", "gguf")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "int8")
@@ -171,10 +173,13 @@ class ModelConfig:
         device: ``cpu``, ``cuda`` or ``auto`` (cuda when available).
         seed: seed of the global sampling generator (requests without their own seed).
         served_model_name: name reported by the API; default: the folder name.
-        cpu_activation_dtype: what the CPU's quantized matmuls round activations to:
-            ``bfloat16`` (the fast path: AVX-512 BF16 dot products over the packed weight,
-            any number of rows), ``float32`` (the exact path: float32 activations, the
-            dequantized weight's exact products), or ``auto`` (bfloat16 where the CPU has
+        cpu_activation_dtype: what the CPU's quantized matmuls turn activations into:
+            ``int16`` (15-bit integers per block of 32 inputs, exact integer dot products
+            with AVX-512 VNNI: finer than bfloat16 and the fastest near-exact path),
+            ``int8`` (8-bit per block of 32, llama.cpp's Q8_0 activations: fastest at
+            large batches, coarsest), ``bfloat16`` (AVX-512 BF16 dot products), ``float32``
+            (the exact path: float32 activations, the dequantized weight's exact products),
+            or ``auto`` (int16 where the CPU has AVX-512 VNNI, else bfloat16 where it has
             AVX-512 BF16, else float32). Dense weights and GPUs are unaffected.
         max_logprobs: largest ``logprobs`` / ``top_logprobs`` a request may ask for
             (vLLM's ``--max-logprobs``); the request gate also caps it at the vocabulary size.
@@ -198,8 +203,8 @@ class ModelConfig:
         _check(self.max_model_len is None or self.max_model_len >= 1,
                "max_model_len", ">= 1", self.max_model_len)
         _check(self.max_logprobs >= 0, "max_logprobs", ">= 0", self.max_logprobs)
-        _check(self.cpu_activation_dtype in ("auto", "bfloat16", "float32"),
-               "cpu_activation_dtype", "auto, bfloat16 or float32", self.cpu_activation_dtype)
+        _check(self.cpu_activation_dtype in CPU_ACTIVATION_DTYPES, "cpu_activation_dtype",
+               f"one of {CPU_ACTIVATION_DTYPES}", self.cpu_activation_dtype)
 
     def check_folders(self) -> None:
         """Check, cheaply, that the model (and tokenizer) folders exist.

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from nybble.config import (
+    CPU_ACTIVATION_DTYPES,
     DEFAULT_MODEL,
     DISTRIBUTED_EXECUTOR_BACKENDS,
     KV_CACHE_DTYPES,
@@ -60,11 +61,14 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the sampler for requests without their own seed")
     parser.add_argument("--cpu-activation-dtype", default="auto",
-                        choices=["auto", "bfloat16", "float32"],
-                        help="activations of the CPU's quantized matmuls: bfloat16 (fast "
-                             "AVX-512 BF16 dot products), float32 (exact: reproduces the "
-                             "dequantized model's float32 outputs); auto: bfloat16 where the "
-                             "CPU has AVX-512 BF16")
+                        choices=list(CPU_ACTIVATION_DTYPES),
+                        help="activations of the CPU's quantized matmuls: int16 (15-bit "
+                             "integers per block of 32, AVX-512 VNNI integer dot products; "
+                             "finer than bfloat16), int8 (8-bit per block, llama.cpp's "
+                             "choice: fastest with many sequences, coarsest), bfloat16 "
+                             "(AVX-512 BF16 dot products), float32 (exact: reproduces the "
+                             "dequantized model's float32 outputs); auto: int16 with VNNI, "
+                             "else bfloat16 with AVX-512 BF16, else float32")
     parser.add_argument("--max-logprobs", type=int, default=20,
                         help="largest logprobs / top_logprobs a request may ask for")
     parser.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32],

@@ -6,8 +6,9 @@ microseconds per op for math that takes less): the bundled model's forward is ~1
 dispatch for ~20 MFLOP. The fused step runs the same arithmetic (float32, the model's own RoPE
 table, the same paged KV cache) with no dispatch between the pieces — what CUDA graphs do for
 a GPU decode step. It takes the steps of a model whose KV cache is float32 and whose linear
-layers are dense float32 or quantized ones packed for one of the CPU kernels: bf16-dot
-(:mod:`nybble.kernels.cpu.qgemm_pack`, the default on CPUs with AVX-512 BF16) or float32
+layers are dense float32 or quantized ones packed for one of the CPU kernels: integer-dot or
+bf16-dot (:mod:`nybble.kernels.cpu.qgemm_pack`, the defaults on CPUs with AVX-512 VNNI / BF16)
+or float32
 weight-only (:mod:`nybble.kernels.cpu.weight_only`, the exact path and the default
 elsewhere); GGUF fused projections of up to four block types too; the token embedding dense
 or packed the same way. Half-precision weights, a quantized KV cache and ``torch.compile``
@@ -141,6 +142,7 @@ class FusedCpuDecode:
         if any(c.dtype != torch.float32 or not c.is_contiguous() for c in kv_caches):
             return None, "the KV cache must be float32"
         layers, quantized, weight_only = [], False, isinstance(embed, CpuWeight)
+        integer = False
         for i, layer in enumerate(model.layers):
             attn, mlp = layer.self_attn, layer.mlp
             parts = [_projection(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
@@ -149,6 +151,8 @@ class FusedCpuDecode:
                 return None, (f"layer {i} has projections that are neither float32 nor packed "
                               f"for a CPU kernel (half precision, or a layout no kernel takes)")
             quantized |= any(isinstance(p[0], list) for p in parts)
+            integer |= any(isinstance(p[0], list) and isinstance(p[0][0], QPacked)
+                           and p[0][0].planes > 0 for p in parts)
             weight_only |= any(isinstance(p[0], list) and isinstance(p[0][0], CpuWeight)
                                for p in parts)
             (qkv_w, qkv_b), (o_w, o_b), (gu_w, gu_b), (down_w, down_b) = parts
@@ -168,7 +172,8 @@ class FusedCpuDecode:
                     f"projections)")
         if quantized:
             return (cls(decoder, model.config.hidden_size, kv_caches, True),
-                    "fused C step (every step: bf16-dot quantized projections)")
+                    f"fused C step (every step: {'integer' if integer else 'bf16'}-dot "
+                    f"quantized projections)")
         linear_bytes = sum(a.nbytes for ly in layers for a in ly[1:10] if a is not None)
         every_step = linear_bytes <= SMALL_MODEL_BYTES
         return (cls(decoder, model.config.hidden_size, kv_caches, every_step),

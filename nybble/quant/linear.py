@@ -12,7 +12,11 @@ their buffer bytes is the checkpoint's packed weight memory (:func:`weight_bytes
 CPU: a module loaded on the CPU also repacks its weight once for one of nybble's CPU kernels,
 chosen by the model's ``cpu_activation_dtype`` (:class:`CpuPathLog` carries it):
 
-* ``bfloat16`` (the default where the CPU has AVX-512 BF16): the bf16-dot kernel
+* ``int16`` (the default where the CPU has AVX-512 VNNI) and ``int8``: the integer-dot
+  kernel (``idot.h``, packed by :mod:`nybble.kernels.cpu.qgemm_pack`): activations quantized
+  per block of 32 inputs to 15 or 8 bits, exact int32 dot products, for calls of any number
+  of rows;
+* ``bfloat16`` (the default where the CPU has AVX-512 BF16 but no VNNI): the bf16-dot kernel
   (:mod:`nybble.kernels.cpu.qgemm_pack`; 0.5 / 1 byte per weight plus float16 scales) for
   calls of any number of rows, decode and prefill;
 * ``float32`` (exact): the float32 weight-only kernel (:mod:`nybble.kernels.cpu.weight_only`)
@@ -59,7 +63,8 @@ class CpuPathLog:
     every module it builds; modules built without one share a process-wide instance.
 
     Attributes:
-        activations: ``bfloat16`` (the bf16-dot kernel) or ``float32`` (the exact path); set
+        activations: ``int16`` / ``int8`` (the integer-dot kernel), ``bfloat16`` (the bf16-dot
+            kernel) or ``float32`` (the exact path); set
             by the loader from ``ModelConfig.cpu_activation_dtype`` before the weights load.
     """
 
@@ -177,8 +182,10 @@ class QuantLinear(nn.Module):
             choice = "reference (activations are quantized too; no weight-only kernel)"
         elif not cpu_kernels_enabled():
             choice = "reference (NYBBLE_CPU_WEIGHT_ONLY=0)"
-        elif self.path_log.activations == "bfloat16" and (
-                packed := cpu_qgemm_pack.pack(iw, self.weight_scales()))[0] is not None:
+        elif self.path_log.activations in cpu_qgemm_pack.ACTIVATION_PLANES and (
+                packed := cpu_qgemm_pack.pack(iw, self.weight_scales(),
+                                              activations=self.path_log.activations)
+                )[0] is not None:
             self.cpu_packed, choice = packed
         else:
             self.cpu_weight, why = cpu_weight_only.prepare(iw, self.weight_scales())

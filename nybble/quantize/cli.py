@@ -6,7 +6,7 @@ import json
 import logging
 import os
 
-from nybble.config import check_model_dir
+from nybble.config import CPU_ACTIVATION_DTYPES, check_model_dir
 from nybble.runtime.worker.torch_threads import setup_threads
 from nybble.threads import add_threads_arg
 
@@ -72,7 +72,7 @@ def _eval_ppl(args: argparse.Namespace) -> int:
 
     from nybble.quantize.eval_ppl import nybble_logits_fn, perplexity
 
-    logits_fn = nybble_logits_fn(args.model, args.quantization)
+    logits_fn = nybble_logits_fn(args.model, args.quantization, args.cpu_activation_dtype)
     tok = AutoTokenizer.from_pretrained(args.model)
     with open(args.text, encoding="utf-8") as f:
         text = f.read()
@@ -145,5 +145,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                    help="tokens a window advances; each window scores only new tokens")
     e.add_argument("--max-paragraphs", type=int, default=None,
                    help="score only the first N paragraphs")
+    e.add_argument("--cpu-activation-dtype", default="auto", choices=list(CPU_ACTIVATION_DTYPES),
+                   help="activations of the CPU's quantized matmuls, as for nybble serve "
+                        "(float32: the exact path)")
     add_threads_arg(e)
     e.set_defaults(func=_eval_ppl)

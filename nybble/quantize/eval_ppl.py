@@ -28,9 +28,11 @@ def hf_logits_fn(model: nn.Module) -> LogitsFn:
     return fn
 
 
-def nybble_model(model_dir: str, quantization: str | None = None) -> tuple[Any, LogitsFn]:
-    """nybble's own model for ``model_dir`` (what ``nybble serve`` runs), float32 on CPU:
-    ``(LoadedModel, logits function)``."""
+def nybble_model(model_dir: str, quantization: str | None = None,
+                 cpu_activation_dtype: str = "auto") -> tuple[Any, LogitsFn]:
+    """nybble's own model for ``model_dir`` (what ``nybble serve`` runs), float32 on CPU, its
+    quantized matmuls with ``cpu_activation_dtype`` activations (``ModelConfig``'s choices;
+    ``float32`` is the exact path): ``(LoadedModel, logits function)``."""
     from nybble.config import ModelConfig
     from nybble.kernels import get_attention_backend
     from nybble.models.loader import load_model
@@ -38,14 +40,16 @@ def nybble_model(model_dir: str, quantization: str | None = None) -> tuple[Any, 
 
     device = torch.device("cpu")
     loaded = load_model(ModelConfig(model=model_dir, quantization=quantization,
-                                    dtype="float32", device="cpu"),
+                                    dtype="float32", device="cpu",
+                                    cpu_activation_dtype=cpu_activation_dtype),
                         get_attention_backend("torch", device), device)
     return loaded, lambda ids: prefill_logits(loaded, [ids])[0]
 
 
-def nybble_logits_fn(model_dir: str, quantization: str | None = None) -> LogitsFn:
+def nybble_logits_fn(model_dir: str, quantization: str | None = None,
+                     cpu_activation_dtype: str = "auto") -> LogitsFn:
     """The logits function of :func:`nybble_model` (what ``nybble eval-ppl`` scores with)."""
-    return nybble_model(model_dir, quantization)[1]
+    return nybble_model(model_dir, quantization, cpu_activation_dtype)[1]
 
 
 def split_paragraphs(text: str, max_paragraphs: int | None = None) -> list[str]:

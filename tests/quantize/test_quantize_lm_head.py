@@ -60,8 +60,9 @@ def test_engine_runs_the_head_quantized(quantized) -> None:
     assert isinstance(head, GPTQLinear) and head.bits == 8 and model.lm_head is None
     # the published dequantization (fp16 scales times (q - z), rounded to fp16) in float64,
     # within the documented bound of the CPU kernel that runs it (it keeps s (q - z)
-    # unrounded): the float32 weight-only one, or with AVX-512 BF16 the bf16-dot one, whose
-    # bound is against the bf16-rounded activations
+    # unrounded): the float32 weight-only one, with AVX-512 BF16 the bf16-dot one, whose
+    # bound is against the bf16-rounded activations, with VNNI the integer-dot one, whose
+    # bound is against the block-quantized activations
     w = head.dequantized_weight().double()
     h = torch.randn(5, 64, generator=torch.Generator().manual_seed(0))
     if head.cpu_packed is not None:
@@ -69,8 +70,13 @@ def test_engine_runs_the_head_quantized(quantized) -> None:
         iw, scales = head.int_weight(), head.weight_scales().double()
         rows = torch.arange(iw.q.shape[0]) // iw.group_size
         exact = (iw.q.double() - iw.zero.double()[rows]) * scales[rows]        # [K, N]
-        want = qgemm_pack.round_bf16(h).double() @ exact
-        bound = qgemm_pack.error_bound(h, iw, head.weight_scales())
+        planes = head.cpu_packed.planes
+        if planes:
+            want = qgemm_pack.quantize_activations(h, iw.group_size, planes) @ exact
+            bound = qgemm_pack.idot_error_bound(h, iw, head.weight_scales(), None, planes)
+        else:
+            want = qgemm_pack.round_bf16(h).double() @ exact
+            bound = qgemm_pack.error_bound(h, iw, head.weight_scales())
     else:
         want = h.double() @ w.t()
         bound = error_bound(h, head.int_weight(), head.weight_scales())

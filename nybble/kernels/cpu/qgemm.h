@@ -37,6 +37,9 @@
  * in a 16-entry table of bf16(q - o).  A portable C loop computes the same sums in the same
  * order for CPUs without AVX-512 BF16 (and for tests); the caller prefers the float32
  * weight-only kernel (cpu_wo_gemm.h) there, which is faster without bf16 hardware.
+ *
+ * A weight packed with xq = 1 or 2 (idot.h's layout) takes idot.h's integer-dot kernel
+ * instead: nyb_qgemm dispatches on it, so the fused decoder needs no second entry point.
  */
 #ifndef NYB_CPU_QGEMM_H
 #define NYB_CPU_QGEMM_H
@@ -58,6 +61,8 @@ enum { NYB_QG_SYM = 0, NYB_QG_ZERO = 1, NYB_QG_MIN = 2 };
 
 typedef struct {
     int bits, mode, s16;
+    int xq;                 /* 0: bf16 activations (this file's layout); 1 or 2: int8 planes
+                             * of integer activations (idot.h's layout) */
     int64_t K, N, Np, group, G;
     const uint8_t *w;
     const void *s;          /* [G, Np] float16 bits (s16) or float32 */
@@ -100,8 +105,11 @@ static inline float nyb_qg_scale(const nyb_qw *W, int64_t i) {
     return W->s16 ? nyb_half_float(((const uint16_t *)W->s)[i]) : ((const float *)W->s)[i];
 }
 
+#include "idot.h"
+
 /* The integer q - o of packed row k, column n. */
 static inline int nyb_qg_q(const nyb_qw *W, int64_t k, int64_t n) {
+    if (W->xq) return nyb_id_q(W, k, n) - (1 << (W->bits - 1));
     const int64_t jb = n / NYB_QG_COLS, c = n % NYB_QG_COLS;
     if (W->bits == 4) {
         const uint16_t *blk = (const uint16_t *)W->w + (jb * (W->K / 8) + k / 8) * 32;
@@ -358,6 +366,7 @@ static NYB_BF16_TARGET void nyb_qg_avx512(const nyb_qw *W, const uint16_t *xb, c
 static int nyb_qgemm(const nyb_qw *W, const float *x, int64_t M, int64_t ldx, float *y,
                      int64_t ldy, const float *bias, int acc, int portable) {
     if (M < 1) return 0;
+    if (W->xq) return nyb_idgemm(W, x, M, ldx, y, ldy, bias, acc, portable);
     uint16_t *xb = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(M * W->K) + 64);
     float *sx = (float *)malloc(sizeof(float) * (size_t)(M * W->G));
     if (xb == NULL || sx == NULL) { free(xb); free(sx); return -1; }

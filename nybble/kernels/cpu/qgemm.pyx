@@ -1,9 +1,11 @@
 # cython: language_level=3
-"""Quantized GEMM on the CPU with bfloat16 dot products (the C code and its packed layout:
-``qgemm.h``; the packing: :mod:`nybble.kernels.cpu.qgemm_pack`).
+"""Quantized GEMM on the CPU with bfloat16 or integer dot products (the C code and its packed
+layouts: ``qgemm.h`` and ``idot.h``; the packing: :mod:`nybble.kernels.cpu.qgemm_pack`).
 
-``out [M, N] (+)= x [M, K] @ W^T (+ bias)``, ``x`` rounded to bfloat16, sums in float32, the
-packed 4/8-bit weight streamed once per call; any ``M`` (decode batches and prefill).
+``out [M, N] (+)= x [M, K] @ W^T (+ bias)``: ``x`` rounded to bfloat16 with float32 sums
+(AVX-512 BF16), or quantized per block to 8-bit or 15-bit integers with exact int32 block
+sums (AVX-512 VNNI), as the packed weight's ``planes`` says; the packed 4/8-bit weight is
+streamed once per call; any ``M`` (decode batches and prefill).
 Torch-free: callers pass numpy arrays. The GIL is released while the kernel runs.
 """
 include "cpu_arrays.pxi"
@@ -15,6 +17,11 @@ cnp.import_array()
 def have_bf16() -> bool:
     """True when the CPU has AVX-512 BF16 (VDPBF16PS), which the fast path needs."""
     return bool(nyb_qg_cpu_bf16())
+
+
+def have_vnni() -> bool:
+    """True when the CPU has AVX-512 VNNI (VPDPBUSD), which the integer-dot fast path needs."""
+    return bool(nyb_id_cpu_vnni())
 
 
 def qgemm(const float[:, :] x, object packed, float[:, :] out, const float[::1] bias=None,
@@ -29,7 +36,7 @@ def qgemm(const float[:, :] x, object packed, float[:, :] out, const float[::1] 
 
     Raises:
         ValueError: arrays that do not fit the packed weight.
-        MemoryError: no memory for the rounded activations.
+        MemoryError: no memory for the rounded or quantized activations.
     """
     cdef nyb_qw W
     _fill_qw(&W, packed)
@@ -50,4 +57,4 @@ def qgemm(const float[:, :] x, object packed, float[:, :] out, const float[::1] 
         rc = nyb_qgemm(&W, &x[0, 0], m, x.strides[0] // sizeof(float), &out[0, 0],
                        out.strides[0] // sizeof(float), b, accumulate, portable)
     if rc != 0:
-        raise MemoryError("cpu_qgemm: no memory for the rounded activations")
+        raise MemoryError("cpu_qgemm: no memory for the rounded or quantized activations")

@@ -43,7 +43,9 @@ class QPacked:
         packed: uint8 ``[Np * K * bits / 8]`` (layout in ``qgemm.h``).
         scales: ``[G, Np]`` uint16 (float16 bits) or float32. zq: int8 ``[G, Np]`` (ZERO) or
             None. mo: float32 ``[G, Np]`` (MIN) or None. perm: int64 ``[K]`` input order (act
-            order) or None.
+            order) or None. planes: 0 for bf16 activations (``qgemm.h``'s layout), 1 or 2
+            int8 planes of integer activations per block (``idot.h``'s "vnni" layout:
+            8-bit or 15-bit activations, AVX-512 VNNI dot products).
     """
 
     bits: int
@@ -56,6 +58,7 @@ class QPacked:
     zq: np.ndarray | None
     mo: np.ndarray | None
     perm: np.ndarray | None
+    planes: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -90,18 +93,31 @@ def _scales(scales: torch.Tensor, np_: int) -> np.ndarray:
     return s32.numpy()
 
 
-def pack(iw: IntWeight, scales: torch.Tensor, mins: torch.Tensor | None = None
-         ) -> tuple[QPacked | None, str]:
-    """Pack a quantized weight for the bf16-dot kernel.
+ACTIVATION_PLANES = {"bfloat16": 0, "int8": 1, "int16": 2}
+"""Activation kinds of the packed kernels and their ``QPacked.planes``."""
+
+
+def pack(iw: IntWeight, scales: torch.Tensor, mins: torch.Tensor | None = None,
+         activations: str = "bfloat16") -> tuple[QPacked | None, str]:
+    """Pack a quantized weight for the bf16-dot or the integer-dot kernel.
 
     Args:
         iw: the weight's integers (``q [K, N]``, zeros ``[G, N]``, optional ``g_idx``).
         scales: ``[G, N]`` (any float dtype). mins: ``[G, N]`` float minimums (``W = s q +
             m``, GGUF Q4_1/Q4_K) or None (then ``iw.mins`` if the IntWeight carries one).
+        activations: ``bfloat16`` (``qgemm.h``), ``int16`` or ``int8`` (``idot.h``: per
+            block of up to 32 inputs, 15-bit or 8-bit integer activations).
+
+    Raises:
+        ValueError: an unknown ``activations``.
 
     Returns:
         ``(packed, description)``, or ``(None, reason)`` when the kernel cannot take it.
     """
+    if activations not in ACTIVATION_PLANES:
+        raise ValueError(f"activations must be one of {sorted(ACTIVATION_PLANES)}, got "
+                         f"{activations!r}")
+    planes = ACTIVATION_PLANES[activations]
     if mins is None:
         mins = getattr(iw, "mins", None)
     k, n = iw.q.shape
@@ -122,7 +138,9 @@ def pack(iw: IntWeight, scales: torch.Tensor, mins: torch.Tensor | None = None
     nb = np_ // COLS
     off = 1 << (iw.bits - 1)
     q = _pad((iw.q if perm is None else iw.q[perm]).to(torch.int32), np_)  # [K, Np]
-    if iw.bits == 4:
+    if planes:
+        packed = _pack_vnni(q, iw.bits, nb)
+    elif iw.bits == 4:
         qp = q.reshape(k // 8, 4, 2, nb, COLS)                    # ko, t, parity, jb, c
         word = sum(qp[:, t] << (4 * t) for t in range(4))          # ko, parity, jb, c
         word = word.permute(2, 0, 3, 1).contiguous()              # jb, ko, c, parity
@@ -140,10 +158,29 @@ def pack(iw: IntWeight, scales: torch.Tensor, mins: torch.Tensor | None = None
         mode = ZERO
         zq = _pad((iw.zero.to(torch.int32) - off).to(torch.int8), np_).contiguous().numpy()
     s = _scales(scales, np_)
+    perm_np = None if perm is None else perm.to(torch.int64).contiguous().numpy()
+    if planes:
+        where = "AVX-512 VNNI" if cpu_qgemm.have_vnni() else "portable C"
+        return (QPacked(iw.bits, mode, k, n, gs, packed, s, zq, mo, perm_np, planes),
+                f"int{iw.bits} integer-dot kernel ({where}, {activations} activations per "
+                f"block, any number of rows)")
     where = "AVX-512 BF16" if cpu_qgemm.have_bf16() else "portable C"
-    return (QPacked(iw.bits, mode, k, n, gs, packed, s, zq, mo,
-                    None if perm is None else perm.to(torch.int64).contiguous().numpy()),
+    return (QPacked(iw.bits, mode, k, n, gs, packed, s, zq, mo, perm_np),
             f"int{iw.bits} bf16-dot kernel ({where}, bf16 activations, any number of rows)")
+
+
+def _pack_vnni(q: torch.Tensor, bits: int, nb: int) -> np.ndarray:
+    """``q [K, Np]`` (unsigned integers) in ``idot.h``'s layout: 64-byte units of 16 columns
+    with four consecutive input rows per int32 lane (4 bits: rows ``i`` and ``i + 4`` of each
+    8 in the low and high nibble), each column block K-major."""
+    k = q.shape[0]
+    if bits == 4:
+        qp = q.reshape(k // 8, 2, 4, nb, COLS)                     # ku, half, i, jb, c
+        units = qp[:, 0] | (qp[:, 1] << 4)                         # ku, i, jb, c
+    else:
+        units = q.reshape(k // 4, 4, nb, COLS)                     # ku, i, jb, c
+    units = units.permute(2, 0, 3, 1)                              # jb, ku, c, i
+    return units.contiguous().to(torch.uint8).numpy().reshape(-1)
 
 
 def linear(x: torch.Tensor, w: QPacked, bias: torch.Tensor | None,
@@ -190,3 +227,66 @@ def error_bound(x: torch.Tensor, iw: IntWeight, scales: torch.Tensor,
     else:
         a = s.abs() * qa + (mins.double()[g] + off * s).abs()
     return gamma * (round_bf16(x).double().abs() @ a)
+
+
+def activation_block(group_size: int) -> int:
+    """Inputs per activation block of the integer-dot kernel: the largest of 32, 16, 8, 4
+    that divides ``group_size`` (so a block never crosses a weight group)."""
+    return next(b for b in (32, 16, 8, 4) if group_size % b == 0)
+
+
+def quantize_activations(x: torch.Tensor, group_size: int, planes: int,
+                         perm: torch.Tensor | None = None) -> torch.Tensor:
+    """What the integer-dot kernel reads for ``x [M, K]``: per block of
+    :func:`activation_block` inputs, ``a = max|x| / T`` and ``v = round(x * (T / max|x|))``
+    (float32 arithmetic, ties to even, ``T`` = 127 for one plane, 16383 for two), returned as
+    float64 ``a v`` ``[M, K]`` — the reference the kernel's tests compare against (the
+    kernel's integer sums are exact, so only its float32 block and group sums differ).
+    ``perm``: the packed input order (act order, :func:`group_order`): blocks are taken in
+    that order, the result is in ``x``'s.
+
+    Raises:
+        ValueError: ``planes`` not 1 or 2."""
+    if planes not in (1, 2):
+        raise ValueError(f"planes must be 1 or 2, got {planes}")
+    if perm is not None:
+        out = torch.empty(x.shape, dtype=torch.float64)
+        out[:, perm] = quantize_activations(x[:, perm], group_size, planes)
+        return out
+    top = torch.tensor(127.0 if planes == 1 else 16383.0, dtype=torch.float32)
+    m, k = x.shape
+    ab = activation_block(group_size)
+    out = torch.empty(m, k, dtype=torch.float64)
+    x32 = x.float()
+    for ks in range(0, k, ab):
+        blk = x32[:, ks:ks + ab]
+        amax = blk.abs().amax(dim=1, keepdim=True)
+        inv = torch.where(amax > 0, top / amax, torch.zeros_like(amax))
+        v = torch.round(blk * inv).clamp(-top, top)
+        out[:, ks:ks + ab] = (amax / top).double() * v.double()
+    return out
+
+
+def idot_error_bound(x: torch.Tensor, iw: IntWeight, scales: torch.Tensor,
+                     mins: torch.Tensor | None, planes: int) -> torch.Tensor:
+    """The integer-dot kernel's elementwise tolerance against the float64 product of
+    :func:`quantize_activations` with the exact weight, float64 ``[M, N]``:
+    ``gamma_n * (|xq| @ A^T)`` with ``n = L / b + G + 4`` (``b`` the activation block, ``L``
+    the group size, ``G`` the number of groups; ``A`` as in :func:`error_bound`): each
+    block's integer sum is exact, its conversion to float32 rounds once, then float32 fused
+    sums over the group's blocks and over the groups."""
+    k = iw.q.shape[0]
+    gs = iw.group_size
+    n_terms = gs // activation_block(gs) + -(-k // gs) + 4
+    u = 2.0 ** -24
+    gamma = n_terms * u / (1 - n_terms * u)
+    g = torch.arange(k) // gs if iw.g_idx is None else iw.g_idx
+    off = 1 << (iw.bits - 1)
+    s = scales.double()[g]
+    qa = (iw.q.double() - off).abs()
+    if mins is None:
+        a = s.abs() * (qa + (iw.zero.double()[g] - off).abs())
+    else:
+        a = s.abs() * qa + (mins.double()[g] + off * s).abs()
+    xq = quantize_activations(x, gs, planes, group_order(iw)[0])
+    return gamma * (xq.abs() @ a)

@@ -4,7 +4,7 @@
 
 cdef extern from "qgemm.h" nogil:
     ctypedef struct nyb_qw:
-        int bits, mode, s16
+        int bits, mode, s16, xq
         int64_t K, N, Np, group, G
         const uint8_t *w
         const void *s
@@ -14,6 +14,7 @@ cdef extern from "qgemm.h" nogil:
     int nyb_qgemm(const nyb_qw *W, const float *x, int64_t M, int64_t ldx, float *y,
                   int64_t ldy, const float *bias, int acc, int portable)
     int nyb_qg_cpu_bf16()
+    int nyb_id_cpu_vnni()
 
 
 cdef int _fill_qw(nyb_qw *W, object p) except -1:
@@ -24,7 +25,10 @@ cdef int _fill_qw(nyb_qw *W, object p) except -1:
     cdef int unit = 8 if p.bits == 4 else 4
     if k % unit or gs % unit or gs < unit or n < 1:
         raise ValueError(f"K ({k}) and group_size ({gs}) must be positive multiples of {unit}")
+    if p.planes not in (0, 1, 2):
+        raise ValueError(f"planes must be 0 (bf16 activations), 1 or 2, got {p.planes}")
     W.bits, W.mode, W.K, W.N, W.group = p.bits, p.mode, k, n, gs
+    W.xq = p.planes
     W.G = (k + gs - 1) // gs
     W.Np = (n + 15) // 16 * 16
     W.w = <const uint8_t *> _qarr(p.packed, np.uint8, (W.Np * k * p.bits // 8,), "packed")

@@ -1,0 +1,388 @@
+/* Quantized GEMM for the CPU with integer dot products: y[M, N] (+)= x[M, K] @ W^T (+ b).
+ *
+ * The packed 4/8-bit weight is multiplied as integers by integer activations with AVX-512
+ * VNNI's VPDPBUSD (four unsigned-byte x signed-byte products summed into each int32 lane, 64
+ * products per instruction, no conversion of the weight), one float multiply-add per
+ * activation block and 16 outputs.  The idea is llama.cpp's (ggml-cpu quantizes activations
+ * per block of 32 to 8 bits, Q8_0/Q8_1, for its integer dots); the activation precision is a
+ * choice here:
+ *
+ *   planes 1 ("int8"):  x ~ a_b * v, v = round(x / a_b) in [-127, 127], a_b = max|x| / 127
+ *                       per block b — llama.cpp's Q8_0 activations (relative 2^-8 of the
+ *                       block's largest value);
+ *   planes 2 ("int16"): a_b = max|x| / 16383, v in [-16383, 16383] split as v = 256 h + l,
+ *                       h in [-64, 64], l in [-128, 127], two int8 planes and two dots per
+ *                       weight (relative 2^-15 of the block's largest value: finer than
+ *                       bfloat16's 2^-9 of each value for all but values 64x below the max).
+ *
+ * Blocks are the largest of 32, 16, 8, 4 input rows dividing the weight's group (so a block
+ * never crosses a group).  Per block the sum D = sum_k q[k, n] v[k] - o sum_k v[k] is exact in
+ * int32 (q the stored unsigned integer, o = 2^(bits-1)); per group d = sum_b a_b D_b
+ * (float32, fused multiply-adds in block order); then, as qgemm.h, y += s d (SYM),
+ * s (d - zq sx) (ZERO) or s d + mo sx (MIN) with sx = sum_b a_b sum_k v[k] the group's sum of
+ * the quantized activations.  The portable C loop does the same integer sums and the same
+ * fused float operations in the same order, so its output equals the AVX-512 one bit for bit.
+ *
+ * Packed layout (qgemm_pack.py, layout "vnni"): output columns in blocks of 16 (one int32
+ * lane each); 64-byte units, lane c = bytes 4c .. 4c + 3:
+ *   4 bits: unit u of 8 input rows:
+ *           byte 4c + i = q[8u + i, 16jb + c] | q[8u + 4 + i, 16jb + c] << 4
+ *           (a mask gives rows 8u .. 8u+3 of all 16 columns, a shift and mask the next four);
+ *   8 bits: unit u of 4 input rows: byte 4c + i = q[4u + i, 16jb + c] (unsigned, 0 .. 255).
+ * Each column block is K-major: unit (jb, u) at byte 64 (U jb + u), U the units per column
+ * block (a tile reads CB column blocks at once: CB sequential streams, which measured faster
+ * from memory than one stream of the same units interleaved).
+ * Scales, zq, mo and perm as qgemm.h.
+ */
+#ifndef NYB_CPU_IDOT_H
+#define NYB_CPU_IDOT_H
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Included by qgemm.h after nyb_qw and its helpers. */
+
+/* The 64-byte unit u of column block jb. */
+static inline const uint8_t *nyb_id_unit(const nyb_qw *W, int64_t jb, int64_t u) {
+    return W->w + (jb * (W->bits == 4 ? W->K / 8 : W->K / 4) + u) * 64;
+}
+
+static inline int nyb_id_cpu_vnni(void) {
+#ifdef NYB_X86_BF16
+    static int have = -1;
+    if (have < 0) {
+        __builtin_cpu_init();
+        have = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+               && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni")
+               && __builtin_cpu_supports("fma");
+    }
+    return have;
+#else
+    return 0;
+#endif
+}
+
+/* Activation block: the largest of 32, 16, 8, 4 that divides the group. */
+static inline int64_t nyb_id_ablock(int64_t group) {
+    return group % 32 == 0 ? 32 : group % 16 == 0 ? 16 : group % 8 == 0 ? 8 : 4;
+}
+
+/* The quantized activations of M rows: planes [M, K] int8 (xl NULL for one plane), per block
+ * the scale a [M, NA] and o * sum v (osum [M, NA], int32), per group sx [M, G]. */
+typedef struct {
+    int planes;
+    int64_t NA;
+    int8_t *xh, *xl;
+    float *a, *sx;
+    int32_t *osum;
+} nyb_idx;
+
+/* Quantize x [M, K] (row stride ldx; read through W->perm) into X (arrays allocated by the
+ * caller). */
+static void nyb_id_quantize(const nyb_qw *W, const float *x, int64_t M, int64_t ldx,
+                            nyb_idx *X) {
+    const int64_t K = W->K, ab = nyb_id_ablock(W->group), NA = X->NA;
+    const int o = 1 << (W->bits - 1);
+    const float top = X->planes == 1 ? 127.0f : 16383.0f;
+    for (int64_t m = 0; m < M; m++) {
+        const float *xm = x + m * ldx;
+        int8_t *h = X->xh + m * K, *l = X->xl ? X->xl + m * K : NULL;
+        for (int64_t b = 0; b < NA; b++) {
+            const int64_t ks = b * ab, ke = ks + ab < K ? ks + ab : K;
+            float amax = 0.0f;
+            for (int64_t k = ks; k < ke; k++) {
+                const float v = fabsf(W->perm ? xm[W->perm[k]] : xm[k]);
+                amax = v > amax ? v : amax;
+            }
+            const float inv = amax > 0.0f ? top / amax : 0.0f;
+            int32_t sum = 0;
+            for (int64_t k = ks; k < ke; k++) {
+                float f = rintf((W->perm ? xm[W->perm[k]] : xm[k]) * inv);
+                f = f > top ? top : (f < -top ? -top : f);
+                const int32_t v = (int32_t)f;
+                sum += v;
+                if (l) {
+                    const int32_t hi = (v + 128) >> 8;   /* floor: l in [-128, 127] */
+                    h[k] = (int8_t)hi;
+                    l[k] = (int8_t)(v - 256 * hi);
+                } else h[k] = (int8_t)v;
+            }
+            X->a[m * NA + b] = amax / top;
+            X->osum[m * NA + b] = o * sum;
+        }
+        for (int64_t g = 0; g < W->G; g++) {
+            const int64_t ge = (g + 1) * W->group < K ? (g + 1) * W->group : K;
+            float t = 0.0f;
+            for (int64_t b = g * W->group / ab; b < (ge + ab - 1) / ab; b++)
+                t = fmaf(X->a[m * NA + b], (float)(X->osum[m * NA + b] / o), t);
+            X->sx[m * W->G + g] = t;
+        }
+    }
+}
+
+/* The stored unsigned integer q of packed row k, column n (vnni layout). */
+static inline int nyb_id_q(const nyb_qw *W, int64_t k, int64_t n) {
+    const int64_t jb = n / NYB_QG_COLS, c = n % NYB_QG_COLS;
+    if (W->bits == 4) {
+        const uint8_t b = nyb_id_unit(W, jb, k / 8)[4 * c + (k % 4)];
+        return (k % 8) < 4 ? (b & 0xf) : (b >> 4);
+    }
+    return nyb_id_unit(W, jb, k / 4)[4 * c + (k % 4)];
+}
+
+/* The group's contribution added to the running total t: fused as the AVX-512 code. */
+static inline float nyb_id_combine(const nyb_qw *W, int64_t gi, float d, float sx, float t) {
+    const float s = nyb_qg_scale(W, gi);
+    if (W->mode == NYB_QG_ZERO) return fmaf(s, fmaf(-(float)W->zq[gi], sx, d), t);
+    if (W->mode == NYB_QG_MIN) return fmaf(s, d, fmaf(W->mo[gi], sx, t));
+    return fmaf(s, d, t);
+}
+
+static void nyb_id_portable(const nyb_qw *W, const nyb_idx *X, int64_t M, float *y,
+                            int64_t ldy, const float *bias, int acc) {
+    const int64_t K = W->K, ab = nyb_id_ablock(W->group), NA = X->NA;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t n = 0; n < W->N; n++) {
+            float tot = 0.0f;
+            for (int64_t g = 0; g < W->G; g++) {
+                const int64_t ks = g * W->group, ke = ks + W->group < K ? ks + W->group : K;
+                float d = 0.0f;
+                for (int64_t kb = ks; kb < ke; kb += ab) {
+                    const int64_t kbe = kb + ab < ke ? kb + ab : ke;
+                    int32_t sh = 0, sl = 0;
+                    for (int64_t k = kb; k < kbe; k++) {
+                        const int q = nyb_id_q(W, k, n);
+                        sh += q * X->xh[m * K + k];
+                        if (X->xl) sl += q * X->xl[m * K + k];
+                    }
+                    const int32_t D = (X->xl ? sh * 256 + sl : sh) - X->osum[m * NA + kb / ab];
+                    d = fmaf(X->a[m * NA + kb / ab], (float)D, d);
+                }
+                tot = nyb_id_combine(W, g * W->Np + n, d, X->sx[m * W->G + g], tot);
+            }
+            float *out = y + m * ldy + n;
+            float v = tot;
+            if (bias) v = v + bias[n];
+            if (acc) v = v + *out;
+            *out = v;
+        }
+}
+
+#ifdef NYB_X86_BF16
+#define NYB_VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma")))
+#define NYB_ID_INLINE static inline __attribute__((always_inline)) NYB_VNNI_TARGET
+
+NYB_ID_INLINE __m512i nyb_id_dot(__m512i acc, __m512i w, const int8_t *x4) {
+    int32_t v;
+    memcpy(&v, x4, 4);
+    return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(v));
+}
+
+/* R rows (from m0) x CB column blocks (from jb0), all groups, P activation planes; the result
+ * goes to the float32 tile yt [R][CB * 16] (which starts at zero). */
+NYB_ID_INLINE void nyb_id_tile(const nyb_qw *W, const nyb_idx *X, int64_t m0, int64_t jb0,
+                               float *yt, const int R, const int CB, const int P) {
+    const int64_t K = W->K, ab = nyb_id_ablock(W->group), NA = X->NA;
+    const __m512i mask = _mm512_set1_epi8(0x0f);
+    __m512 tot[4][8];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+        for (int c = 0; c < CB; c++) tot[r][c] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < W->G; g++) {
+        const int64_t ks = g * W->group, ke = ks + W->group < K ? ks + W->group : K;
+        __m512 d[4][8];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+            for (int c = 0; c < CB; c++) d[r][c] = _mm512_setzero_ps();
+        for (int64_t kb = ks; kb < ke; kb += ab) {
+            const int64_t kbe = kb + ab < ke ? kb + ab : ke, b = kb / ab;
+            __m512i s0[4][8], s1[4][8];
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+                for (int c = 0; c < CB; c++) s0[r][c] = s1[r][c] = _mm512_setzero_si512();
+            if (W->bits == 4) {
+                for (int64_t k = kb; k < kbe; k += 8) {
+                    __m512i lo[8], hi[8];
+#pragma GCC unroll 8
+                    for (int c = 0; c < CB; c++) {
+                        const __m512i u = _mm512_loadu_si512(
+                            (const void *)nyb_id_unit(W, jb0 + c, k / 8));
+                        lo[c] = _mm512_and_si512(u, mask);
+                        hi[c] = _mm512_and_si512(_mm512_srli_epi16(u, 4), mask);
+                    }
+#pragma GCC unroll 4
+                    for (int r = 0; r < R; r++) {
+                        const int8_t *xh = X->xh + (m0 + r) * K + k;
+#pragma GCC unroll 8
+                        for (int c = 0; c < CB; c++) {
+                            if (P == 1) {
+                                s0[r][c] = nyb_id_dot(s0[r][c], lo[c], xh);
+                                s1[r][c] = nyb_id_dot(s1[r][c], hi[c], xh + 4);
+                            } else {
+                                const int8_t *xl = X->xl + (m0 + r) * K + k;
+                                s0[r][c] = nyb_id_dot(nyb_id_dot(s0[r][c], lo[c], xh), hi[c],
+                                                      xh + 4);
+                                s1[r][c] = nyb_id_dot(nyb_id_dot(s1[r][c], lo[c], xl), hi[c],
+                                                      xl + 4);
+                            }
+                        }
+                    }
+                }
+            } else {
+                for (int64_t k = kb; k < kbe; k += 4) {
+                    __m512i u[8];
+#pragma GCC unroll 8
+                    for (int c = 0; c < CB; c++)
+                        u[c] = _mm512_loadu_si512((const void *)nyb_id_unit(W, jb0 + c, k / 4));
+#pragma GCC unroll 4
+                    for (int r = 0; r < R; r++) {
+                        const int8_t *xh = X->xh + (m0 + r) * K + k;
+#pragma GCC unroll 8
+                        for (int c = 0; c < CB; c++) {
+                            s0[r][c] = nyb_id_dot(s0[r][c], u[c], xh);
+                            if (P == 2)
+                                s1[r][c] = nyb_id_dot(s1[r][c], u[c], X->xl + (m0 + r) * K + k);
+                        }
+                    }
+                }
+            }
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                const __m512i os = _mm512_set1_epi32(X->osum[(m0 + r) * NA + b]);
+                const __m512 a = _mm512_set1_ps(X->a[(m0 + r) * NA + b]);
+#pragma GCC unroll 8
+                for (int c = 0; c < CB; c++) {
+                    __m512i D = P == 1 ? _mm512_add_epi32(s0[r][c], s1[r][c])
+                                       : _mm512_add_epi32(_mm512_slli_epi32(s0[r][c], 8),
+                                                          s1[r][c]);
+                    D = _mm512_sub_epi32(D, os);
+                    d[r][c] = _mm512_fmadd_ps(a, _mm512_cvtepi32_ps(D), d[r][c]);
+                }
+            }
+        }
+#pragma GCC unroll 8
+        for (int c = 0; c < CB; c++) {
+            const int64_t gi = g * W->Np + (jb0 + c) * NYB_QG_COLS;
+            const __m512 s = W->s16 ? _mm512_cvtph_ps(_mm256_loadu_si256(
+                                          (const __m256i *)((const uint16_t *)W->s + gi)))
+                                    : _mm512_loadu_ps((const float *)W->s + gi);
+            __m512 extra = _mm512_setzero_ps();
+            if (W->mode == NYB_QG_ZERO)
+                extra = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                    _mm_loadu_si128((const __m128i *)(W->zq + gi))));
+            else if (W->mode == NYB_QG_MIN) extra = _mm512_loadu_ps(W->mo + gi);
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                const __m512 sxg = _mm512_set1_ps(X->sx[(m0 + r) * W->G + g]);
+                if (W->mode == NYB_QG_ZERO)
+                    tot[r][c] = _mm512_fmadd_ps(s, _mm512_fnmadd_ps(extra, sxg, d[r][c]),
+                                                tot[r][c]);
+                else if (W->mode == NYB_QG_MIN)
+                    tot[r][c] = _mm512_fmadd_ps(s, d[r][c],
+                                                _mm512_fmadd_ps(extra, sxg, tot[r][c]));
+                else tot[r][c] = _mm512_fmadd_ps(s, d[r][c], tot[r][c]);
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+        for (int c = 0; c < CB; c++) _mm512_storeu_ps(yt + (r * CB + c) * NYB_QG_COLS, tot[r][c]);
+}
+
+NYB_ID_INLINE void nyb_id_run(const nyb_qw *W, const nyb_idx *X, int64_t m0, int64_t jb0,
+                              float *y, int64_t ldy, const float *bias, int acc, const int R,
+                              const int CB, const int P) {
+    float yt[4 * 8 * NYB_QG_COLS];
+    nyb_id_tile(W, X, m0, jb0, yt, R, CB, P);
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < CB; c++) {
+            const int64_t n0 = (jb0 + c) * NYB_QG_COLS;
+            if (n0 >= W->N) continue;
+            const int cols = W->N - n0 < NYB_QG_COLS ? (int)(W->N - n0) : NYB_QG_COLS;
+            const __mmask16 mk = (__mmask16)((1u << cols) - 1u);
+            float *out = y + (m0 + r) * ldy + n0;
+            __m512 v = _mm512_loadu_ps(yt + (r * CB + c) * NYB_QG_COLS);
+            if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mk, bias + n0));
+            if (acc) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mk, out));
+            _mm512_mask_storeu_ps(out, mk, v);
+        }
+}
+
+static NYB_VNNI_TARGET void nyb_id_step(const nyb_qw *W, const nyb_idx *X, int64_t m,
+                                         int64_t jb, float *y, int64_t ldy, const float *bias,
+                                         int acc, int R, int C) {
+#define NYB_ID_CASE(RR, CC)                                                               \
+    if (R == RR && C == CC) {                                                             \
+        if (X->planes == 1) nyb_id_run(W, X, m, jb, y, ldy, bias, acc, RR, CC, 1);        \
+        else nyb_id_run(W, X, m, jb, y, ldy, bias, acc, RR, CC, 2);                       \
+        return;                                                                           \
+    }
+    NYB_ID_CASE(1, 8) NYB_ID_CASE(1, 4) NYB_ID_CASE(1, 2) NYB_ID_CASE(1, 1)
+    NYB_ID_CASE(2, 4) NYB_ID_CASE(2, 2) NYB_ID_CASE(2, 1)
+    NYB_ID_CASE(4, 2) NYB_ID_CASE(4, 1)
+#undef NYB_ID_CASE
+}
+
+/* Column blocks jb_lo .. jb_hi of all M rows. */
+static NYB_VNNI_TARGET void nyb_id_avx512(const nyb_qw *W, const nyb_idx *X, int64_t M,
+                                           int64_t jb_lo, int64_t jb_hi, float *y,
+                                           int64_t ldy, const float *bias, int acc) {
+    const int rows_per = M >= 4 ? 4 : M >= 2 ? 2 : 1;
+    const int64_t CB = rows_per == 1 ? 8 : rows_per == 2 ? 4 : 2;
+    for (int64_t mb = 0; mb < M; mb += NYB_QG_MB) {
+        const int64_t mend = M - mb < NYB_QG_MB ? M : mb + NYB_QG_MB;
+        for (int64_t jb = jb_lo; jb < jb_hi; jb += CB) {
+            const int64_t jend = jb_hi - jb < CB ? jb_hi : jb + CB;
+            for (int64_t m = mb; m < mend;) {
+                const int R = mend - m >= rows_per ? rows_per : (mend - m >= 2 ? 2 : 1);
+                const int64_t most = R == 1 ? 8 : R == 2 ? 4 : 2;
+                for (int64_t j = jb; j < jend;) {
+                    const int64_t left = jend - j;
+                    int C = left >= most ? (int)most : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+                    if (C > most) C = (int)most;
+                    nyb_id_step(W, X, m, j, y, ldy, bias, acc, R, C);
+                    j += C;
+                }
+                m += R;
+            }
+        }
+    }
+}
+#endif
+
+/* y[M, N] (row stride ldy) = (acc ? y : 0) + x[M, K] (row stride ldx) @ W^T + bias with
+ * W->xq planes of integer activations.  Returns 0, or -1 when memory runs out (y untouched). */
+static int nyb_idgemm(const nyb_qw *W, const float *x, int64_t M, int64_t ldx, float *y,
+                      int64_t ldy, const float *bias, int acc, int portable) {
+    if (M < 1) return 0;
+    nyb_idx X;
+    X.planes = W->xq;
+    X.NA = (W->K + nyb_id_ablock(W->group) - 1) / nyb_id_ablock(W->group);
+    const size_t n8 = (size_t)(M * W->K);
+    X.xh = (int8_t *)malloc(n8 * (size_t)X.planes + 64);
+    X.a = (float *)malloc(sizeof(float) * (size_t)(M * (X.NA + W->G)));
+    X.osum = (int32_t *)malloc(sizeof(int32_t) * (size_t)(M * X.NA));
+    if (X.xh == NULL || X.a == NULL || X.osum == NULL) {
+        free(X.xh); free(X.a); free(X.osum);
+        return -1;
+    }
+    X.xl = X.planes == 2 ? X.xh + n8 : NULL;
+    X.sx = X.a + M * X.NA;
+    nyb_id_quantize(W, x, M, ldx, &X);
+#ifdef NYB_X86_BF16
+    if (!portable && nyb_id_cpu_vnni())
+        nyb_id_avx512(W, &X, M, 0, W->Np / NYB_QG_COLS, y, ldy, bias, acc);
+    else
+#endif
+        nyb_id_portable(W, &X, M, y, ldy, bias, acc);
+    free(X.xh); free(X.a); free(X.osum);
+    return 0;
+}
+
+#endif

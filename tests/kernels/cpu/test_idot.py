@@ -1,0 +1,134 @@
+"""The CPU's integer-dot quantized GEMM (nybble/kernels/cpu/idot.h, AVX-512 VNNI) against a
+float64 oracle with the activation quantization modelled: y64 = xq @ W^T in float64, xq the
+per-block 8-bit / 15-bit activations as the format rule in the header defines them
+(cpu_qgemm_pack.quantize_activations), W the exact weight; |y - y64| within the documented
+float32 bound (cpu_qgemm_pack.idot_error_bound); the AVX-512 path equal to the portable C
+loop bit for bit; the packed bytes as the layout comment says."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from nybble.kernels.cpu import qgemm as cpu_qgemm
+from nybble.kernels.cpu import qgemm_pack as cpu_qgemm_pack
+from nybble.kernels.reference.quant import IntWeight
+from tests.kernels.cpu.test_qgemm import _exact, _weight
+
+CASES = [(4, 64, 40, 32), (4, 576, 200, 32), (4, 256, 17, 128), (4, 96, 33, 64),
+         (4, 48, 20, 24), (8, 64, 40, 32), (8, 576, 120, 32), (8, 100, 24, 20),
+         (8, 64, 16, 16)]
+KINDS = {"int8": 1, "int16": 2}
+
+
+def _vnni() -> bool:
+    return cpu_qgemm.have_vnni()
+
+
+@pytest.mark.parametrize("bits,k,n,gs", CASES)
+@pytest.mark.parametrize("mode", ["sym", "zero", "min"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 19, 70])
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_idot_within_bound_of_float64_oracle(bits, k, n, gs, mode, rows, kind) -> None:
+    act_order = k == 96 and mode == "zero"
+    iw, scales, mins = _weight(bits, k, n, gs, mode, act_order, seed=rows * 5 + bits)
+    packed, why = cpu_qgemm_pack.pack(iw, scales, mins, activations=kind)
+    assert packed is not None, why
+    assert packed.planes == KINDS[kind] and "integer-dot" in why
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows + 1))
+    x[0, :8] *= 50.0                        # an outlier block: its scale differs from the rest
+    bias = torch.randn(n)
+    perm = cpu_qgemm_pack.group_order(iw)[0]
+    xq = cpu_qgemm_pack.quantize_activations(x, gs, KINDS[kind], perm)
+    y64 = xq @ _exact(iw, scales, mins).t() + bias.double()
+    bound = (cpu_qgemm_pack.idot_error_bound(x, iw, scales, mins, KINDS[kind])
+             + 2.0 ** -23 * y64.abs())
+    y_port = cpu_qgemm_pack.linear(x, packed, bias, portable=True)
+    assert bool(((y_port.double() - y64).abs() <= bound).all())
+    if _vnni():
+        y = cpu_qgemm_pack.linear(x, packed, bias)
+        assert torch.equal(y, y_port)       # same integer sums, same fused float steps
+    # the activations really are quantized: unquantized x is further off than the bound
+    y_exact = x.double() @ _exact(iw, scales, mins).t() + bias.double()
+    assert bool(((y_port.double() - y_exact).abs() > bound).any())
+
+
+def test_int16_activations_are_finer_than_bf16_and_int8() -> None:
+    """On one projection-sized weight, the error against the unquantized float64 product:
+    int16 < bf16 < int8 (what the kernels' descriptions claim)."""
+    iw, scales, mins = _weight(4, 576, 192, 32, "min", False, seed=11)
+    x = torch.randn(8, 576, generator=torch.Generator().manual_seed(2))
+    y_exact = x.double() @ _exact(iw, scales, mins).t()
+    err = {}
+    for kind in ("bfloat16", "int16", "int8"):
+        packed, _ = cpu_qgemm_pack.pack(iw, scales, mins, activations=kind)
+        err[kind] = float((cpu_qgemm_pack.linear(x, packed, None, portable=True).double()
+                           - y_exact).abs().mean())
+    assert err["int16"] < err["bfloat16"] < err["int8"], err
+
+
+def test_accumulate_strided_output_and_float32_scales() -> None:
+    iw, scales, _ = _weight(8, 128, 48, 32, "zero", False, seed=3)
+    s32 = scales.float() * (1 + 1e-6)
+    packed, _ = cpu_qgemm_pack.pack(iw, s32, activations="int16")
+    assert packed.scales.dtype == np.float32
+    x = torch.randn(4, 128)
+    for portable in (True, False):
+        if not portable and not _vnni():
+            continue
+        out = torch.randn(4, 64)
+        before = out.clone()
+        cpu_qgemm.qgemm(x.numpy(), packed, out.numpy()[:, 8:], None, True, portable)
+        y64 = cpu_qgemm_pack.quantize_activations(x, 32, 2) @ _exact(iw, s32, None).t()
+        got = out[:, 8:56].double() - before[:, 8:56].double()
+        bound = cpu_qgemm_pack.idot_error_bound(x, iw, s32, None, 2) + 1e-6
+        assert bool(((got - y64).abs() <= bound).all())
+        assert torch.equal(out[:, :8], before[:, :8]) and torch.equal(out[:, 56:], before[:, 56:])
+
+
+def test_quantize_activations_rule() -> None:
+    """The documented rule on a hand-made block: the largest value maps to +-T exactly."""
+    x = torch.zeros(1, 32)
+    x[0, 0], x[0, 1], x[0, 2] = 2.0, -1.0, 0.3
+    q8 = cpu_qgemm_pack.quantize_activations(x, 32, 1)
+    a = 2.0 / 127
+    assert q8[0, 0] == pytest.approx(2.0) and q8[0, 1] == pytest.approx(a * round(-1.0 / a))
+    assert q8[0, 2] == pytest.approx(a * round(0.3 / a))
+    assert bool((q8[0, 3:] == 0).all())
+    q16 = cpu_qgemm_pack.quantize_activations(x, 32, 2)
+    assert abs(float(q16[0, 2]) - 0.3) <= 2.0 / 16383 / 2 + 1e-9
+    assert cpu_qgemm_pack.activation_block(128) == 32
+    assert cpu_qgemm_pack.activation_block(48) == 16
+    assert cpu_qgemm_pack.activation_block(20) == 4
+    with pytest.raises(ValueError, match="planes must be 1 or 2"):
+        cpu_qgemm_pack.quantize_activations(x, 32, 3)
+    with pytest.raises(ValueError, match="activations must be one of"):
+        cpu_qgemm_pack.pack(*_weight(4, 64, 16, 32, "sym", False, 1)[:2], activations="fp8")
+
+
+def _unit(jb: int, u: int, units: int, nb: int) -> int:
+    """Byte offset of unit u of column block jb: K-major column blocks."""
+    return 64 * (jb * units + u)
+
+
+def test_vnni_packing_follows_the_documented_layout() -> None:
+    """Bytes checked against idot.h's layout comment directly."""
+    q = torch.randint(0, 16, (16, 176), dtype=torch.int32)     # K = 16, N = 176
+    iw = IntWeight(q, torch.full((1, 176), 8, dtype=torch.int32), None, 16, 4)
+    b = cpu_qgemm_pack.pack(iw, torch.ones(1, 176).half(), activations="int8")[0].packed
+    for jb in range(11):
+        for u in range(2):
+            for c in range(16):
+                for i in range(4):
+                    byte = int(b[_unit(jb, u, 2, 11) + 4 * c + i])
+                    assert byte & 15 == int(q[8 * u + i, 16 * jb + c])
+                    assert byte >> 4 == int(q[8 * u + 4 + i, 16 * jb + c])
+    q8 = torch.randint(0, 256, (8, 160), dtype=torch.int32)
+    iw8 = IntWeight(q8, torch.full((1, 160), 128, dtype=torch.int32), None, 8, 8)
+    b8 = cpu_qgemm_pack.pack(iw8, torch.ones(1, 160).half(), activations="int16")[0].packed
+    for jb in range(10):
+        for u in range(2):
+            for c in range(16):
+                for i in range(4):
+                    want = int(q8[4 * u + i, 16 * jb + c])
+                    assert int(b8[_unit(jb, u, 2, 10) + 4 * c + i]) == want
