@@ -65,7 +65,8 @@ extensions.append(Extension(
     include_dirs=["nybble/kernels/cpu", np.get_include()],
     depends=["nybble/kernels/cpu/qgemm.h", "nybble/kernels/cpu/idot.h",
              "nybble/kernels/cpu/qgemm_struct.pxi", "nybble/kernels/cpu/cpu_arrays.pxi",
-             "nybble/kernels/cpu/cpu_features.h"],
+             "nybble/kernels/cpu/cpu_features.h", "nybble/kernels/cpu/pool.h",
+             "nybble/kernels/cpu/pool.pxi"],
     extra_compile_args=["-O3"]))
 # The fused CPU decode step (nybble/kernels/cpu/decoder.pyx + .h, which includes qgemm.h for
 # packed projections); the same float flags as the attention kernel, so the dense dot products'
@@ -75,7 +76,7 @@ extensions.append(Extension(
     include_dirs=[CPU, np.get_include()],
     depends=[f"{CPU}/decoder.h", f"{CPU}/qgemm.h", f"{CPU}/idot.h", f"{CPU}/qgemm_struct.pxi",
              f"{CPU}/wo_gemm.h", f"{CPU}/wo_struct.pxi", f"{CPU}/cpu_arrays.pxi",
-             f"{CPU}/cpu_features.h"],
+             f"{CPU}/cpu_features.h", f"{CPU}/pool.h", f"{CPU}/pool.pxi"],
     extra_compile_args=["-O3", "-fno-math-errno", "-fno-signed-zeros", "-fno-trapping-math",
                         "-fassociative-math"]))
 

@@ -213,3 +213,33 @@ def greedy_tokens(eager: bool, fused_model, **llm_args) -> list[list[int]]:  # t
     llm = LLM(max_num_seqs=4, kv_cache_memory=8 * 2**20, enforce_eager=eager, **llm_args)
     assert (fused_model(llm).fused_decode is None) == eager
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def steps_on_threads(model, caches, ids, pos, meta, counts) -> list:
+    """The fused step from the same KV caches on each thread count of ``counts``:
+    ``[(hidden states, KV caches)]`` (the kernels' pools back at one thread afterwards)."""
+    from nybble.kernels.cpu.threads import set_kernel_threads
+
+    start = [c.clone() for c in caches]
+    results = []
+    try:
+        for threads in counts:
+            set_kernel_threads(threads)
+            for c, s in zip(caches, start):
+                c.copy_(s)
+            results.append((model(ids, pos, caches, meta).clone(), [c.clone() for c in caches]))
+    finally:
+        set_kernel_threads(1)
+    return results
+
+
+def test_dense_step_on_threads_writes_what_one_thread_writes(tmp_path) -> None:
+    """The float32 step's projections split by output-feature pairs and its attention by
+    sequence over two threads (pool.h): hidden states and KV equal the one-thread step's."""
+    model, caches = _setup(make_tiny_model("llama-gqa", str(tmp_path)))
+    _prefill(model, caches)
+    ids, pos, meta = _decode_meta()
+    assert model.enable_fused_cpu_decode(caches).startswith("fused C step")
+    (want, want_kv), (got, kv) = steps_on_threads(model, caches, ids, pos, meta, (1, 2))
+    assert torch.equal(got, want)
+    assert all(torch.equal(a, b) for a, b in zip(kv, want_kv))

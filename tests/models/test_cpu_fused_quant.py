@@ -21,7 +21,8 @@ from nybble.kernels.cpu.weight_only import KERNEL_ROWS
 from nybble.models.loader import load_model
 from tests.conftest import shared_path
 
-from .test_cpu_fused import BLOCK, BLOCKS, _chunk_args, _decode_meta, _prefill, greedy_tokens
+from .test_cpu_fused import (BLOCK, BLOCKS, _chunk_args, _decode_meta, _prefill, greedy_tokens,
+                              steps_on_threads)
 
 GGUF = ["stories3m-Q4_0.gguf", "stories3m-Q4_1.gguf", "stories3m-Q4_K_M.gguf",
         "stories3m-Q6_K.gguf"]
@@ -139,3 +140,18 @@ def test_mixed_kernels_in_one_projection_are_refused() -> None:
     parts[0].cpu_weight = None    # as if this part's layout had no kernel
     why = model.enable_fused_cpu_decode(caches)
     assert model.fused_decode is None and why.startswith(f"layer {i} has projections"), why
+
+
+@pytest.mark.parametrize("activations", ["int16", "float32"])
+@pytest.mark.parametrize("name", ["stories3m-Q4_K_M.gguf", "tiny-llama-gptq-4bit-g32-actorder"])
+def test_threads_write_what_one_thread_writes(name: str, activations: str) -> None:
+    """The step on two and three threads (pool.h: projections' column blocks and the
+    sequences' attention split) equals the one-thread step bit for bit, hidden states and KV."""
+    model, caches = _setup(name, activations)
+    _prefill(model, caches)
+    ids, pos, meta = _decode_meta()
+    model.enable_fused_cpu_decode(caches)
+    results = steps_on_threads(model, caches, ids, pos, meta, (1, 2, 3))
+    for got, kv in results[1:]:
+        assert torch.equal(got, results[0][0])
+        assert all(torch.equal(a, b) for a, b in zip(kv, results[0][1]))

@@ -132,36 +132,6 @@ static inline void nyb_wo_row(const nyb_wo_weight *W, int64_t n, float *out) {
     }
 }
 
-/* y (+)= x @ P^T + b for a projection of K inputs and N outputs; tmp: T * N floats (the
- * weight-only kernel's output before it is added to y).  Returns 0, or -1 when a packed
- * kernel runs out of memory (y may be partly written then). */
-NYB_INLINE int nyb_apply(const nyb_proj *P, const float *x, int64_t T, int64_t K, int64_t N,
-                         float *y, int64_t ldy, int acc, int portable, float *tmp) {
-    if (P->w) { nyb_linear(x, T, K, P->w, P->b, N, y, ldy, acc); return 0; }
-    int64_t off = 0;
-    if (P->wo[0]) {
-        float *dst = acc ? tmp : y;
-        const int64_t ld = acc ? N : ldy;
-        for (int i = 0; i < P->nparts; i++) {
-            if (nyb_wo_gemm(P->wo[i], x, T, K, dst + off, ld, portable)) return -1;
-            off += P->wo[i]->N;
-        }
-        for (int64_t t = 0; t < T; t++) {
-            float *yt = y + t * ldy;
-            const float *st = dst + t * ld;
-            for (int64_t n = 0; n < N; n++)
-                yt[n] = (acc ? yt[n] + st[n] : st[n]) + (P->b ? P->b[n] : 0.0f);
-        }
-        return 0;
-    }
-    for (int i = 0; i < P->nparts; i++) {
-        if (nyb_qgemm(P->parts[i], x, T, K, y + off, ldy, P->b ? P->b + off : NULL, acc,
-                      portable)) return -1;
-        off += P->parts[i]->N;
-    }
-    return 0;
-}
-
 /* e^x in float32 within ~2 ulp for x in [-87, 88] (Cephes' expf: 2^n times a degree-7
  * polynomial of the remainder after splitting ln 2 in two parts); written without a libm
  * call or branch so that loops over it vectorise.  x is clamped to [-87.3, 88.7]. */
@@ -238,6 +208,103 @@ NYB_INLINE void nyb_attend(const nyb_decoder *M, const float *keys, const float 
     }
 }
 
+/* The step's parallel parts (pool.h): a dense projection's output features in pairs, and the
+ * attention of each sequence.  Each has an AVX2+FMA copy (the body inlined into a function
+ * of that target) and a portable one; nyb_apply and the step pick by `portable`. */
+typedef struct {
+    const float *x, *W, *b;
+    int64_t T, K, N;
+    float *y;
+    int64_t ldy;
+    int acc;
+} nyb_lin_job;
+
+NYB_INLINE void nyb_lin_range_body(void *ctx, int64_t lo, int64_t hi) {
+    const nyb_lin_job *j = (const nyb_lin_job *)ctx;
+    const int64_t n0 = 2 * lo, n1 = 2 * hi < j->N ? 2 * hi : j->N;
+    nyb_linear(j->x, j->T, j->K, j->W + n0 * j->K, j->b ? j->b + n0 : NULL, n1 - n0,
+               j->y + n0, j->ldy, j->acc);
+}
+
+typedef struct {
+    const nyb_decoder *M;
+    const nyb_layer *ly;
+    const int32_t *tables;
+    const int32_t *seq_lens;
+    int64_t MB, QKV, longest;
+    const float *qkv;
+    float *att;
+    _Atomic int failed;
+} nyb_att_job;
+
+NYB_INLINE void nyb_att_range_body(void *ctx, int64_t lo, int64_t hi) {
+    nyb_att_job *j = (nyb_att_job *)ctx;
+    const nyb_decoder *M = j->M;
+    const int64_t cache_half = M->NB * M->BS * M->Hkv * M->D;
+    float *work = (float *)malloc(sizeof(float) * (size_t)(M->Hq * j->longest));
+    if (work == NULL) { atomic_store(&j->failed, 1); return; }
+    for (int64_t t = lo; t < hi; t++)
+        nyb_attend(M, j->ly->kv_cache, j->ly->kv_cache + cache_half, j->tables + t * j->MB,
+                   j->seq_lens[t], j->qkv + t * j->QKV, j->att + t * M->Hq * M->D, work);
+    free(work);
+}
+
+static void nyb_lin_range_portable(void *ctx, int64_t lo, int64_t hi) {
+    nyb_lin_range_body(ctx, lo, hi);
+}
+static void nyb_att_range_portable(void *ctx, int64_t lo, int64_t hi) {
+    nyb_att_range_body(ctx, lo, hi);
+}
+#ifdef NYB_X86_AVX2
+static __attribute__((target("avx2,fma"))) void nyb_lin_range_avx2(void *ctx, int64_t lo,
+                                                                    int64_t hi) {
+    nyb_lin_range_body(ctx, lo, hi);
+}
+static __attribute__((target("avx2,fma"))) void nyb_att_range_avx2(void *ctx, int64_t lo,
+                                                                    int64_t hi) {
+    nyb_att_range_body(ctx, lo, hi);
+}
+#define NYB_RANGE(name, portable) ((portable) ? name##_portable : name##_avx2)
+#else
+#define NYB_RANGE(name, portable) (name##_portable)
+#endif
+
+/* y (+)= x @ P^T + b for a projection of K inputs and N outputs; tmp: T * N floats (the
+ * weight-only kernel's output before it is added to y).  Returns 0, or -1 when a packed
+ * kernel runs out of memory (y may be partly written then). */
+NYB_INLINE int nyb_apply(const nyb_proj *P, const float *x, int64_t T, int64_t K, int64_t N,
+                         float *y, int64_t ldy, int acc, int portable, float *tmp) {
+    if (P->w) {   /* output features in pairs over the pool's threads */
+        nyb_lin_job job = {x, P->w, P->b, T, K, N, y, ldy, acc};
+        const int64_t pairs = (N + 1) / 2;
+        nyb_parallel_for(pairs, nyb_pool_chunk(pairs, 64), NYB_RANGE(nyb_lin_range, portable),
+                         &job);
+        return 0;
+    }
+    int64_t off = 0;
+    if (P->wo[0]) {
+        float *dst = acc ? tmp : y;
+        const int64_t ld = acc ? N : ldy;
+        for (int i = 0; i < P->nparts; i++) {
+            if (nyb_wo_gemm(P->wo[i], x, T, K, dst + off, ld, portable)) return -1;
+            off += P->wo[i]->N;
+        }
+        for (int64_t t = 0; t < T; t++) {
+            float *yt = y + t * ldy;
+            const float *st = dst + t * ld;
+            for (int64_t n = 0; n < N; n++)
+                yt[n] = (acc ? yt[n] + st[n] : st[n]) + (P->b ? P->b[n] : 0.0f);
+        }
+        return 0;
+    }
+    for (int i = 0; i < P->nparts; i++) {
+        if (nyb_qgemm(P->parts[i], x, T, K, y + off, ldy, P->b ? P->b + off : NULL, acc,
+                      portable)) return -1;
+        off += P->parts[i]->N;
+    }
+    return 0;
+}
+
 NYB_INLINE int nyb_decode_body(const nyb_decoder *M, int64_t T, const int64_t *ids,
                                const int64_t *pos, const int64_t *slots,
                                const int32_t *tables, int64_t MB, const int32_t *seq_lens,
@@ -247,6 +314,8 @@ NYB_INLINE int nyb_decode_body(const nyb_decoder *M, int64_t T, const int64_t *i
     float *h = buf, *xn = h + T * H, *qkv = xn + T * H, *att = qkv + T * QKV;
     float *gu = att + T * Hq * D, *act = gu + T * 2 * FF, *tmp = act + T * FF, *wtmp = tmp + D;
     float *work = wtmp + T * H;   /* wtmp: the residual projections' outputs (N = H) */
+    int64_t longest = 1;
+    for (int64_t t = 0; t < T; t++) longest = seq_lens[t] > longest ? seq_lens[t] : longest;
     for (int64_t t = 0; t < T; t++) {
         if (M->embed) memcpy(h + t * H, M->embed + ids[t] * H, sizeof(float) * (size_t)H);
         else if (M->embed_q) nyb_qg_row(M->embed_q, ids[t], h + t * H);
@@ -265,9 +334,14 @@ NYB_INLINE int nyb_decode_body(const nyb_decoder *M, int64_t T, const int64_t *i
                        sizeof(float) * (size_t)(Hkv * D));
             }
         }
-        for (int64_t t = 0; t < T; t++)
-            nyb_attend(M, ly->kv_cache, ly->kv_cache + cache_half, tables + t * MB,
-                       seq_lens[t], qkv + t * QKV, att + t * Hq * D, work);
+        if (T == 1) {
+            nyb_attend(M, ly->kv_cache, ly->kv_cache + cache_half, tables, seq_lens[0], qkv,
+                       att, work);
+        } else {   /* sequences over the pool's threads, each chunk with its own scores */
+            nyb_att_job job = {M, ly, tables, seq_lens, MB, QKV, longest, qkv, att, 0};
+            nyb_parallel_for(T, nyb_pool_chunk(T, 8), NYB_RANGE(nyb_att_range, portable), &job);
+            if (atomic_load(&job.failed)) return -1;
+        }
         if (nyb_apply(&ly->o, att, T, Hq * D, H, h, H, 1, portable, wtmp)) return -1;
         nyb_rms_norm(h, T, H, ly->post_norm, M->eps, xn);
         if (nyb_apply(&ly->gu, xn, T, H, 2 * FF, gu, 2 * FF, 0, portable, wtmp)) return -1;

@@ -15,6 +15,7 @@ from libc.stdlib cimport free, malloc
 
 include "cpu_arrays.pxi"
 include "qgemm_struct.pxi"
+include "pool.pxi"
 include "wo_struct.pxi"
 
 cnp.import_array()

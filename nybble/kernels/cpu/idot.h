@@ -356,6 +356,23 @@ static NYB_VNNI_TARGET void nyb_id_avx512(const nyb_qw *W, const nyb_idx *X, int
 }
 #endif
 
+#ifdef NYB_X86_BF16
+typedef struct {
+    const nyb_qw *W;
+    const nyb_idx *X;
+    int64_t M;
+    float *y;
+    int64_t ldy;
+    const float *bias;
+    int acc;
+} nyb_id_job;
+
+static void nyb_id_range(void *ctx, int64_t lo, int64_t hi) {
+    const nyb_id_job *j = (const nyb_id_job *)ctx;
+    nyb_id_avx512(j->W, j->X, j->M, lo, hi, j->y, j->ldy, j->bias, j->acc);
+}
+#endif
+
 /* y[M, N] (row stride ldy) = (acc ? y : 0) + x[M, K] (row stride ldx) @ W^T + bias with
  * W->xq planes of integer activations.  Returns 0, or -1 when memory runs out (y untouched). */
 static int nyb_idgemm(const nyb_qw *W, const float *x, int64_t M, int64_t ldx, float *y,
@@ -376,9 +393,13 @@ static int nyb_idgemm(const nyb_qw *W, const float *x, int64_t M, int64_t ldx, f
     X.sx = X.a + M * X.NA;
     nyb_id_quantize(W, x, M, ldx, &X);
 #ifdef NYB_X86_BF16
-    if (!portable && nyb_id_cpu_vnni())
-        nyb_id_avx512(W, &X, M, 0, W->Np / NYB_QG_COLS, y, ldy, bias, acc);
-    else
+    if (!portable && nyb_id_cpu_vnni()) {
+        /* column blocks over the pool's threads (pool.h), a register tile's worth a chunk */
+        nyb_id_job job = {W, &X, M, y, ldy, bias, acc};
+        const int64_t Nb = W->Np / NYB_QG_COLS;
+        nyb_parallel_for(Nb, nyb_pool_chunk(Nb, M >= 4 ? 2 : M >= 2 ? 4 : 8), nyb_id_range,
+                         &job);
+    } else
 #endif
         nyb_id_portable(W, &X, M, y, ldy, bias, acc);
     free(X.xh); free(X.a); free(X.osum);

@@ -49,6 +49,7 @@
 #include <string.h>
 
 #include "cpu_features.h"
+#include "pool.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define NYB_X86_BF16 1
@@ -332,9 +333,9 @@ static NYB_BF16_TARGET void nyb_qg_step(const nyb_qw *W, const uint16_t *xr, con
 }
 
 static NYB_BF16_TARGET void nyb_qg_avx512(const nyb_qw *W, const uint16_t *xb, const float *sx,
-                                           int64_t M, float *y, int64_t ldy, const float *bias,
-                                           int acc) {
-    const int64_t Nb = W->Np / NYB_QG_COLS, K = W->K, G = W->G;
+                                           int64_t M, int64_t jb_lo, int64_t Nb, float *y,
+                                           int64_t ldy, const float *bias, int acc) {
+    const int64_t K = W->K, G = W->G;
     /* Column blocks per tile: 8 for one row, 4 for two (enough independent sums and memory
      * streams to hide VDPBF16PS's latency), 2 for four rows (each unpacked weight vector
      * then feeds four rows). */
@@ -342,7 +343,7 @@ static NYB_BF16_TARGET void nyb_qg_avx512(const nyb_qw *W, const uint16_t *xb, c
     const int64_t CB = rows_per == 1 ? 8 : rows_per == 2 ? 4 : 2;
     for (int64_t mb = 0; mb < M; mb += NYB_QG_MB) {
         const int64_t mend = M - mb < NYB_QG_MB ? M : mb + NYB_QG_MB;
-        for (int64_t jb = 0; jb < Nb; jb += CB) {
+        for (int64_t jb = jb_lo; jb < Nb; jb += CB) {
             const int64_t jend = Nb - jb < CB ? Nb : jb + CB;
             for (int64_t m = mb; m < mend;) {
                 const int R = mend - m >= rows_per ? rows_per : (mend - m >= 2 ? 2 : 1);
@@ -358,9 +359,26 @@ static NYB_BF16_TARGET void nyb_qg_avx512(const nyb_qw *W, const uint16_t *xb, c
         }
     }
 }
+
+typedef struct {
+    const nyb_qw *W;
+    const uint16_t *xb;
+    const float *sx;
+    int64_t M;
+    float *y;
+    int64_t ldy;
+    const float *bias;
+    int acc;
+} nyb_qg_job;
+
+static void nyb_qg_range(void *ctx, int64_t lo, int64_t hi) {   /* column blocks lo .. hi */
+    const nyb_qg_job *j = (const nyb_qg_job *)ctx;
+    nyb_qg_avx512(j->W, j->xb, j->sx, j->M, lo, hi, j->y, j->ldy, j->bias, j->acc);
+}
 #endif
 
-/* y[M, N] (row stride ldy) = (acc ? y : 0) + x[M, K] (row stride ldx) @ W^T + bias.
+/* y[M, N] (row stride ldy) = (acc ? y : 0) + x[M, K] (row stride ldx) @ W^T + bias, the
+ * column blocks spread over pool.h's threads.
  * Returns 0, or -1 when memory runs out (y untouched).  portable: 1 takes the portable C
  * loop even where AVX-512 BF16 exists (tests compare the two). */
 static int nyb_qgemm(const nyb_qw *W, const float *x, int64_t M, int64_t ldx, float *y,
@@ -372,8 +390,12 @@ static int nyb_qgemm(const nyb_qw *W, const float *x, int64_t M, int64_t ldx, fl
     if (xb == NULL || sx == NULL) { free(xb); free(sx); return -1; }
     nyb_qg_round(W, x, M, ldx, xb, sx);
 #ifdef NYB_X86_BF16
-    if (!portable && nyb_qg_cpu_bf16()) nyb_qg_avx512(W, xb, sx, M, y, ldy, bias, acc);
-    else
+    if (!portable && nyb_qg_cpu_bf16()) {
+        nyb_qg_job job = {W, xb, sx, M, y, ldy, bias, acc};
+        const int64_t Nb = W->Np / NYB_QG_COLS;
+        nyb_parallel_for(Nb, nyb_pool_chunk(Nb, M >= 4 ? 2 : M >= 2 ? 4 : 8), nyb_qg_range,
+                         &job);
+    } else
 #endif
         nyb_qg_portable(W, xb, sx, M, y, ldy, bias, acc);
     free(xb);

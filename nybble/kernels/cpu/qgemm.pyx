@@ -10,6 +10,7 @@ Torch-free: callers pass numpy arrays. The GIL is released while the kernel runs
 """
 include "cpu_arrays.pxi"
 include "qgemm_struct.pxi"
+include "pool.pxi"
 
 cnp.import_array()
 

@@ -1,5 +1,5 @@
-"""Apply the ``--threads`` setting to torch in the process that runs the model (see
-:mod:`nybble.threads` for the rule and why)."""
+"""Apply the ``--threads`` setting to torch and nybble's C kernels in the process that runs
+the model (see :mod:`nybble.threads` for the rule and why)."""
 from __future__ import annotations
 
 import logging
@@ -14,10 +14,14 @@ _applied: list[int] = []   # the value last applied in this process
 
 
 def apply_torch_threads(threads: int, source: str) -> None:
-    """Set torch's intra-op threads (imports torch); log the setting when it changes."""
+    """Set torch's intra-op threads (imports torch) and nybble's C kernels' pools to
+    ``threads``; log the setting when it changes."""
     import torch
 
+    from nybble.kernels.cpu.threads import set_kernel_threads
+
     torch.set_num_threads(threads)
+    set_kernel_threads(threads)
     if _applied == [threads]:
         return
     _applied[:] = [threads]
