@@ -5,6 +5,7 @@ import argparse
 import json
 import logging
 import os
+import sys
 
 from nybble.config import CPU_ACTIVATION_DTYPES, check_model_dir
 from nybble.runtime.worker.torch_threads import setup_threads
@@ -26,6 +27,22 @@ def check_out_dir(model_dir: str, out_dir: str) -> None:
                          f"(its weights would be overwritten), got {out_dir!r}")
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"--out must be a folder, got {out_dir!r}, which is a file")
+
+
+def summary_line(summary: dict, group_size: int, lm_head: bool, out: str) -> str:
+    """One sentence on what a quantize run did: how many decoder Linears were quantized, at
+    which group sizes, and how many stayed dense."""
+    quantized, regrouped, skipped = summary["quantized"], summary["regrouped"], summary["skipped"]
+    sizes: dict[int, int] = {}
+    for gs in regrouped.values():
+        sizes[gs] = sizes.get(gs, 0) + 1
+    parts = [f"{len(quantized) - len(regrouped)} at group size {group_size}"]
+    parts += [f"{n} at group size {gs} ({group_size} does not divide their inputs)"
+              for gs, n in sorted(sizes.items(), reverse=True)]
+    dense = f"; {len(skipped)} left dense" if skipped else ""
+    head = "; the output head as INT8" if lm_head else ""
+    return (f"quantized {len(quantized)} of {len(quantized) + len(skipped)} decoder linear "
+            f"layers ({', '.join(parts)}){dense}{head}; wrote {out}")
 
 
 def _quantize(args: argparse.Namespace) -> int:
@@ -54,12 +71,13 @@ def _quantize(args: argparse.Namespace) -> int:
                                ("steps", args.tune_steps), ("batch", args.tune_batch),
                                ("lr", args.tune_lr)) if v is not None}),
                            eval_text=read(args.eval_text), eval_source=args.eval_text,
-                           lm_head=args.quantize_lm_head)
+                           lm_head=args.quantize_lm_head,
+                           allow_unquantized=args.allow_unquantized)
     summary = quantize_model(args.model, args.out, opts)
-    logger.info("quantized %d linears, left %d dense; wrote %s", len(summary["quantized"]),
-                len(summary["skipped"]), args.out)
+    print(summary_line(summary, opts.group_size, opts.lm_head, args.out), file=sys.stderr)
     print(json.dumps({"out": args.out, "quantized": len(summary["quantized"]),
-                      "skipped": summary["skipped"], "report": REPORT_FILE,
+                      "skipped": summary["skipped"], "regrouped": summary["regrouped"],
+                      "report": REPORT_FILE,
                       "summary": summarize_report(args.out),
                       "quantization_config": summary["config"]}, indent=2))
     return 0
@@ -110,6 +128,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                    help="also quantize the output head: RTN symmetric INT8 at --group-size (32 "
                         "when per-channel), written as GPTQModel's lm_head: true; the "
                         "embedding stays float (a tied model's config is untied)")
+    q.add_argument("--allow-unquantized", action="store_true",
+                   help="write the checkpoint even when some decoder Linears cannot be "
+                        "quantized with these settings (they stay dense); without it that "
+                        "is an error and nothing is written. A group size that does not "
+                        "divide a Linear's inputs is not such a case (except in AWQ's 4-bit "
+                        "format): that Linear gets the largest multiple of 8 below it that "
+                        "divides, recorded per module in the config")
     q.add_argument("--damp-percent", type=float, default=0.01,
                    help="GPTQ dampening, fraction of the mean Hessian diagonal")
     q.add_argument("--calib", help="calibration text file (default: built-in text)")

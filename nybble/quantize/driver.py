@@ -17,6 +17,7 @@ set order.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,7 +40,8 @@ from nybble.quantize.export import (
 )
 from nybble.quantize.e2e import TuneOptions, tune_scales
 from nybble.quantize.gptq import GPTQResult
-from nybble.quantize.layer_quant import LAYER_METHODS, LINEARS, LayerOptions, LinearOutcome
+from nybble.quantize.layer_quant import (LAYER_METHODS, LINEARS, LayerOptions, LinearOutcome,
+                                         group_size_for)
 from nybble.quantize.rtn import rtn_quantize
 from nybble.quantize.report import (
     build_report,
@@ -76,6 +78,13 @@ class QuantizeOptions:
         lm_head: also quantize the output head, RTN symmetric INT8 with ``group_size`` (32
             for a per-channel run), written as GPTQModel's ``lm_head: true`` (a tied
             embedding stays float for the lookup and the config is untied).
+        allow_unquantized: write the checkpoint even when some decoder Linears cannot be
+            quantized with these settings (they stay dense); without it that is an error.
+
+    A Linear whose input width ``group_size`` does not divide is quantized with the largest
+    multiple of 8 below it that does (:func:`~nybble.quantize.layer_quant.group_size_for`),
+    recorded per module as a GPTQModel ``dynamic`` override; AutoAWQ's 4-bit format has one
+    group size for every module, so there such a Linear cannot be quantized.
     """
 
     method: str = "gptq"
@@ -96,6 +105,7 @@ class QuantizeOptions:
     eval_text: str | None = None
     eval_source: str | None = None
     lm_head: bool = False
+    allow_unquantized: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -114,6 +124,11 @@ class QuantizeOptions:
                                  "rtn, gptq or gptq-e2e (AutoAWQ's format has no lm_head)")
         if self.desc_act is None:
             self.desc_act = self.method == "gptq-e2e"
+
+    @property
+    def awq_layout(self) -> bool:
+        """Written in AutoAWQ's GEMM format (4-bit AWQ); else GPTQ's."""
+        return self.method == "awq" and self.bits == 4
 
     def layer_options(self) -> LayerOptions:
         """The per-layer subset."""
@@ -134,37 +149,79 @@ def skip_reason(lin: nn.Linear, bits: int, group_size: int) -> str | None:
 
 
 def _packable(layers: nn.ModuleList, opts: QuantizeOptions
-              ) -> tuple[list[list[str]], dict[str, str]]:
+              ) -> tuple[list[list[str]], dict[str, str], dict[str, int]]:
+    """Which Linears of each layer get quantized: ``(names per layer, {skipped: why},
+    {regrouped: group size})``.
+
+    Raises:
+        ValueError: nothing can be quantized, or some Linears cannot and
+            ``opts.allow_unquantized`` is off.
+    """
     names_per_layer: list[list[str]] = []
     skipped: dict[str, str] = {}
+    regrouped: dict[str, int] = {}
     for i, layer in enumerate(layers):
         ok = []
         for n in LINEARS:
-            why = skip_reason(layer.get_submodule(n), opts.bits, opts.group_size)
+            lin = layer.get_submodule(n)
+            gs = opts.group_size if opts.awq_layout else (
+                group_size_for(lin.in_features, opts.group_size) or opts.group_size)
+            why = skip_reason(lin, opts.bits, gs)
             if why is None:
                 ok.append(n)
+                if gs != opts.group_size:
+                    regrouped[f"model.layers.{i}.{n}"] = gs
             else:
                 skipped[f"model.layers.{i}.{n}"] = why
-                logger.warning("leaving model.layers.%d.%s unquantized: %s", i, n, why)
         names_per_layer.append(ok)
     if not any(names_per_layer):
         name, why = next(iter(skipped.items()), ("the model", "it has no decoder layers"))
         raise ValueError(f"nothing to quantize: all {len(skipped)} linear layers would stay "
                          f"dense ({name}: {why}); choose a --group-size that divides the "
                          f"layers' input widths")
-    return names_per_layer, skipped
+    if skipped and not opts.allow_unquantized:
+        name, why = next(iter(skipped.items()))
+        other = " or a method written as GPTQ (rtn, gptq)" if opts.awq_layout else ""
+        raise ValueError(
+            f"{len(skipped)} of {len(skipped) + sum(map(len, names_per_layer))} linear layers "
+            f"cannot be quantized with these settings ({name}: {why}); choose another "
+            f"--group-size{other}, or pass --allow-unquantized to leave them dense")
+    for name, why in skipped.items():
+        logger.warning("leaving %s unquantized: %s", name, why)
+    return names_per_layer, skipped, regrouped
+
+
+def group_overrides(regrouped: dict[str, int]) -> dict[str, dict[str, int]]:
+    """GPTQModel ``dynamic`` entries for Linears quantized with another group size: one
+    regex per module name and group size (``+:model\\.layers\\.\\d+\\.mlp\\.up_proj$``) when
+    every layer's module of that name got it, else one per layer."""
+    by_module: dict[str, dict[int, list[str]]] = {}
+    for prefix, gs in regrouped.items():
+        _, _, idx, module = prefix.split(".", 3)
+        by_module.setdefault(module, {}).setdefault(gs, []).append(idx)
+    layers = {prefix.split(".")[2] for prefix in regrouped}
+    out: dict[str, dict[str, int]] = {}
+    for module, sizes in sorted(by_module.items()):
+        esc = re.escape(module)
+        for gs, idxs in sorted(sizes.items()):
+            if len(sizes) == 1 and len(idxs) == len(layers):
+                out[f"+:model\\.layers\\.\\d+\\.{esc}$"] = {"group_size": gs}
+            else:
+                for i in sorted(idxs, key=int):
+                    out[f"+:model\\.layers\\.{i}\\.{esc}$"] = {"group_size": gs}
+    return out
 
 
 @torch.no_grad()
 def _run(model: nn.Module, model_dir: str, opts: QuantizeOptions, progress: bool
          ) -> tuple[dict[str, GPTQResult], dict[str, float], dict[str, str], dict[str, Any],
-                    dict[str, Any] | None]:
+                    dict[str, Any] | None, dict[str, int]]:
     from transformers import AutoTokenizer
 
     from nybble.quantize.hf_model import load_model
 
     layers = model.model.layers
-    names_per_layer, skipped = _packable(layers, opts)
+    names_per_layer, skipped, regrouped = _packable(layers, opts)
     if opts.calib_text is None:
         with open(BUILTIN_CALIB, encoding="utf-8") as f:
             text, source = f.read(), "built-in"
@@ -196,7 +253,7 @@ def _run(model: nn.Module, model_dir: str, opts: QuantizeOptions, progress: bool
     # integers, rounded to fp16), not the quantizer's float32 product
     errors = {k: relative_output_error(o.weight, results[k].dequant.half().float(), o.gram)
               for k, o in outcomes.items()}
-    return results, errors, skipped, calibration, tuning
+    return results, errors, skipped, calibration, tuning, regrouped
 
 
 HEAD = "lm_head"
@@ -234,12 +291,13 @@ def quantize_model(model_dir: str, out_dir: str, opts: QuantizeOptions,
     its quality report.
 
     Returns:
-        ``{"quantized": [...], "skipped": {name: reason}, "config": dict,
-        "results": {name: GPTQResult}, "report": dict}``.
+        ``{"quantized": [...], "skipped": {name: reason}, "regrouped": {name: group size},
+        "config": dict, "results": {name: GPTQResult}, "report": dict}``.
 
     Raises:
-        ValueError: bad options, empty calibration text, or no linear layer can be
-            quantized with these options (nothing is written then).
+        ValueError: bad options, empty calibration text, or some linear layer cannot be
+            quantized with these options (all of them, or any without
+            ``allow_unquantized``; nothing is written then).
     """
     from nybble.quantize.hf_model import load_model
 
@@ -248,8 +306,9 @@ def quantize_model(model_dir: str, out_dir: str, opts: QuantizeOptions,
     torch.set_num_threads(opts.threads)
     try:
         model = load_model(model_dir, torch.float32)
-        results, errors, skipped, calibration, tuning = _run(model, model_dir, opts, progress)
-        awq_layout = opts.method == "awq" and opts.bits == 4
+        results, errors, skipped, calibration, tuning, regrouped = _run(model, model_dir, opts,
+                                                                        progress)
+        awq_layout = opts.awq_layout
         v2 = not opts.sym
         qtensors = {p: (pack_awq(r) if awq_layout else pack_gptq(r, opts.bits, v2))
                     for p, r in results.items()}
@@ -258,11 +317,14 @@ def quantize_model(model_dir: str, out_dir: str, opts: QuantizeOptions,
                gptq_config(opts.bits, opts.group_size, opts.sym, bool(opts.desc_act),
                            opts.static_groups, opts.damp_percent, v2, skipped_names,
                            opts.method))
+        dynamic = group_overrides(regrouped)
         if opts.lm_head:
             qtensors[HEAD], head_override = quantized_lm_head(model, opts, v2)
             cfg["lm_head"] = True
             if head_override:
-                cfg["dynamic"] = {f"+:{HEAD}$": head_override}
+                dynamic[f"+:{HEAD}$"] = head_override
+        if dynamic:
+            cfg["dynamic"] = dynamic
         write_model_folder(model, model_dir, out_dir, qtensors, cfg)
         wall = time.perf_counter() - t0
         ppl = None
@@ -287,5 +349,5 @@ def quantize_model(model_dir: str, out_dir: str, opts: QuantizeOptions,
                            "checkpoint_before": safetensors_bytes(model_dir),
                            "checkpoint_after": safetensors_bytes(out_dir)}, wall, ppl)
     write_report(out_dir, report)
-    return {"quantized": sorted(results), "skipped": skipped, "config": cfg,
-            "results": results, "report": report}
+    return {"quantized": sorted(results), "skipped": skipped, "regrouped": regrouped,
+            "config": cfg, "results": results, "report": report}

@@ -20,7 +20,7 @@ Methods:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -50,6 +50,30 @@ class LayerOptions:
     damp_percent: float
     duo_scaling: bool | str
     clip: bool
+
+    def for_width(self, in_features: int) -> "LayerOptions":
+        """These options for a Linear of ``in_features`` inputs: the group size replaced by
+        :func:`group_size_for` when it does not divide the width (unchanged otherwise)."""
+        gs = group_size_for(in_features, self.group_size)
+        return self if gs in (None, self.group_size) else replace(self, group_size=gs)
+
+
+GROUP_MULTIPLE = 8
+"""A fallback group size is a multiple of this (the CPU kernels' 4-bit packing unit)."""
+
+
+def group_size_for(in_features: int, group_size: int) -> int | None:
+    """The group size a Linear of ``in_features`` inputs is quantized with: ``group_size``
+    when it divides the width (or is -1, per output channel); else the largest multiple of
+    :data:`GROUP_MULTIPLE` below it that does (SmolLM2's 576-wide inputs at 128: 96), which
+    the checkpoint records per module as a GPTQModel ``dynamic`` override; None when no such
+    divisor exists."""
+    if group_size == -1 or in_features % group_size == 0:
+        return group_size
+    for gs in range(group_size - group_size % GROUP_MULTIPLE, 0, -GROUP_MULTIPLE):
+        if in_features % gs == 0:
+            return gs
+    return None
 
 
 @dataclass(frozen=True)
@@ -85,7 +109,8 @@ def rtn_layer(layer: nn.Module, hidden: torch.Tensor, kw: dict[str, Any], names:
     out = {}
     for n in names:
         lin = layer.get_submodule(n)
-        res = rtn_quantize(lin.weight.data, o.bits, o.group_size, o.sym)
+        ow = o.for_width(lin.in_features)
+        res = rtn_quantize(lin.weight.data, ow.bits, ow.group_size, ow.sym)
         out[n] = LinearOutcome(res, lin.weight.data.clone(), _gram(feats[n]))
         _install(lin, res)
     return out, nxt
@@ -105,8 +130,9 @@ def gptq_layer(layer: nn.Module, hidden: torch.Tensor, kw: dict[str, Any], names
         record_inputs(layer, group, hidden, kw, sink=lambda n, x: accs[n].add_batch(x))
         for g in group:
             lin = layer.get_submodule(g)
-            res = gptq_quantize(lin.weight.data, accs[g].h, o.bits, o.group_size, o.sym,
-                                o.desc_act, o.static_groups, o.damp_percent)
+            ow = o.for_width(lin.in_features)
+            res = gptq_quantize(lin.weight.data, accs[g].h, ow.bits, ow.group_size, ow.sym,
+                                ow.desc_act, ow.static_groups, ow.damp_percent)
             out[g] = LinearOutcome(res, lin.weight.data.clone(), accs[g].h)
             _install(lin, res)
     return out, run_layer(layer, hidden, kw)
@@ -135,8 +161,9 @@ def _awq_scale(layer: nn.Module, feats: dict[str, torch.Tensor], kw: dict[str, A
     found = []
     for prev, lins, inp, fwd in _scaling_groups(layer, kw):
         if all(n in names for n in lins) and (prev not in LINEARS or prev in names):
+            ow = o.for_width(sub(lins[0]).in_features)
             choice = awq_mod.search_best_scale(feats[inp], [sub(n) for n in lins], fwd,
-                                               o.bits, o.group_size, o.duo_scaling)
+                                               ow.bits, ow.group_size, ow.duo_scaling)
             found.append((prev, lins, choice.s))
     for prev, lins, s in found:
         awq_mod.apply_scale(sub(prev), [sub(n) for n in lins], s)
@@ -155,10 +182,11 @@ def awq_layer(layer: nn.Module, hidden: torch.Tensor, kw: dict[str, Any], names:
     for n in names:
         lin = layer.get_submodule(n)
         w = lin.weight.data.clone()
+        ow = o.for_width(lin.in_features)
         if o.clip and not any(t in n for t in ("q_", "k_", "query", "key", "Wqkv")):
-            mv = awq_mod.search_best_clip(lin.weight.data, feats[n], o.bits, o.group_size)
-            awq_mod.apply_clip(lin, mv, o.group_size)
-        res = rtn_quantize(lin.weight.data, o.bits, o.group_size, sym=False, kind="awq")
+            mv = awq_mod.search_best_clip(lin.weight.data, feats[n], ow.bits, ow.group_size)
+            awq_mod.apply_clip(lin, mv, ow.group_size)
+        res = rtn_quantize(lin.weight.data, ow.bits, ow.group_size, sym=False, kind="awq")
         out[n] = LinearOutcome(res, w, grams.setdefault(id(feats[n]), _gram(feats[n])))
         _install(lin, res)
     return out, nxt

@@ -64,6 +64,20 @@ class LLM:
         llm._counter = 0
         return llm
 
+    def shutdown(self) -> None:
+        """End this LLM's engine: unfinished requests are aborted, tensor-parallel workers
+        stopped and their process group destroyed, so another ``LLM`` (also with
+        ``tensor_parallel_size`` > 1) can start in this process. Idempotent; also what
+        leaving a ``with LLM(...) as llm:`` block does. Later calls to generate raise
+        ``RuntimeError``."""
+        self.llm_engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
     def get_tokenizer(self) -> Tokenizer:
         """The model's tokenizer (``encode``, ``decode``, ``apply_chat_template``)."""
         return self.llm_engine.tokenizer
@@ -174,6 +188,7 @@ class LLM:
              use_tqdm: bool) -> list[RequestOutput]:
         """Add every request, step until they all finished; outputs keep the input order."""
         engine = self.llm_engine
+        engine.check_open()
         ids: list[str] = []
         final: dict[str, RequestOutput] = {}
         try:

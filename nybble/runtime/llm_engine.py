@@ -61,6 +61,7 @@ class LLMEngine:
         self.model_name = mc.name
         self.max_model_len = core.max_model_len
         self.vocab_size = core.loaded.shape.vocab_size
+        self._closed = False
 
     @classmethod
     def from_engine_args(cls, model: str | None = None, **kwargs: Any) -> LLMEngine:
@@ -100,7 +101,9 @@ class LLMEngine:
         Raises:
             InvalidRequestError: duplicate id, or any check of the request gate
                 (:mod:`nybble.runtime.frontend.input_processor`) failed; nothing is queued then.
+            RuntimeError: the engine was shut down.
         """
+        self.check_open()
         request = self.input_processor.process(request_id, prompt, params, arrival_time, names)
         self.add_core_request(request, prompt if isinstance(prompt, str) else None)
 
@@ -141,7 +144,9 @@ class LLMEngine:
             EngineStepError: the step failed; the requests of its batch
                 (``error.request_ids``) were aborted and are forgotten, the others go on
                 with the next :meth:`step`.
+            RuntimeError: the engine was shut down.
         """
+        self.check_open()
         try:
             core_outputs = self.engine_core.step()
         except EngineStepError as e:
@@ -154,6 +159,24 @@ class LLMEngine:
         if stopped:
             self.engine_core.stop_samples(stopped)
         return outputs
+
+    def shutdown(self) -> None:
+        """Abort every unfinished request and stop the engine core (its tensor-parallel
+        workers and process group); idempotent. Afterwards :meth:`add_request` and
+        :meth:`step` raise ``RuntimeError``."""
+        if self._closed:
+            return
+        self._closed = True
+        ids = list(self.output_processor.requests)
+        if ids:
+            self.abort_request(ids)
+        self.engine_core.shutdown()
+
+    def check_open(self) -> None:
+        """Raises: RuntimeError: :meth:`shutdown` was called."""
+        if self._closed:
+            raise RuntimeError("this engine was shut down (LLM.shutdown() or the end of its "
+                               "`with` block): create a new LLM to generate again")
 
     def get_stats(self) -> EngineStats:
         """Current load; see :class:`EngineStats`."""

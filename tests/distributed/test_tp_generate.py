@@ -91,3 +91,16 @@ def test_tp2_sampling_logprobs_and_prompt_logprobs_match_tp1():
             for x, y in zip(ca.logprobs, cb.logprobs, strict=True):
                 assert x.keys() == y.keys()
                 assert all(abs(x[t] - y[t]) < 1e-4 for t in x)
+
+
+@pytest.mark.slow
+def test_a_second_tp_llm_after_shutdown_works():
+    """``with LLM(tensor_parallel_size=2)`` ends its workers and process group: a second one
+    in the same process starts and answers the same."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outs = []
+    for _ in range(2):
+        with LLM(tensor_parallel_size=2, threads=1) as llm:
+            outs.append(list(llm.generate(PROMPTS[0], params, use_tqdm=False)[0]
+                             .outputs[0].token_ids))
+    assert outs[0] == outs[1] and len(outs[0]) == 12

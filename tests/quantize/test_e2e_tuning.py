@@ -23,6 +23,7 @@ CALIB = ("Once upon a time, there was a little girl named Lily. She loved to pla
 
 def _opts(method: str, steps: int = 30) -> QuantizeOptions:
     return QuantizeOptions(method=method, bits=4, group_size=32, calib_text=CALIB,
+                           allow_unquantized=True,
                            num_samples=6, seq_len=64, desc_act=True,
                            tune=TuneOptions(steps=steps, batch=3, lr=5e-3))
 

@@ -36,9 +36,9 @@ def _engine_greedy(model_dir: str, prompt: str, n: int) -> list[int]:
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 def test_llm_generates_from_our_quantized_folder(tmp_path: str, method: str) -> None:
     out = os.path.join(tmp_path, method)
-    quantize_model(DEFAULT_MODEL, out, QuantizeOptions(method=method, bits=4, group_size=32,
-                                                       num_samples=8, seq_len=64),
-                   progress=False)
+    opts = QuantizeOptions(method=method, bits=4, group_size=32, num_samples=8, seq_len=64,
+                           allow_unquantized=True)   # stories260k's 172-wide MLP stays dense
+    quantize_model(DEFAULT_MODEL, out, opts, progress=False)
     assert _engine_greedy(out, "Once upon a time", 12) == _oracle_greedy(out, "Once upon a time", 12)
 
 

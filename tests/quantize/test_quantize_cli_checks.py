@@ -59,12 +59,13 @@ def test_out_that_is_a_file_is_refused(source: Path, tmp_path: Path,
 def test_a_run_that_quantizes_nothing_fails_and_writes_nothing(
         source: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "q"
-    # stories260k: every linear has input width 64 or 172, neither a multiple of 48
-    assert main(["quantize", str(source), "--method", "rtn", "--group-size", "48",
+    # stories260k: every linear has input width 64 or 172, neither a multiple of 7, and no
+    # multiple of 8 below 7 exists to fall back to
+    assert main(["quantize", str(source), "--method", "rtn", "--group-size", "7",
                  "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert "nothing to quantize: all 35 linear layers would stay dense" in err
-    assert "input width 64 is not a multiple of group_size 48" in err
+    assert "input width 64 is not a multiple of group_size 7" in err
     assert not out.exists()
 
 
@@ -72,7 +73,7 @@ def test_written_files_have_the_usual_mode(source: Path, tmp_path: Path, umask_0
                                            capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "q"
     assert main(["quantize", str(source), "--method", "rtn", "--group-size", "32",
-                 "--out", str(out)]) == 0
+                 "--allow-unquantized", "--out", str(out)]) == 0
     capsys.readouterr()
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}
     assert modes["model.safetensors"] == 0o644

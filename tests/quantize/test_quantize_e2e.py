@@ -26,6 +26,7 @@ def test_quantize_save_reload(tmp_path: str, fp_model: torch.nn.Module, method: 
                               bits: int, gs: int, sym: bool) -> None:
     out = os.path.join(tmp_path, method)
     opts = QuantizeOptions(method=method, bits=bits, group_size=gs, sym=sym, num_samples=8,
+                           allow_unquantized=True,
                            seq_len=64)
     summary = quantize_model(DEFAULT_MODEL, out, opts, progress=False)
     for f in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
@@ -70,7 +71,7 @@ def test_cli_quantize_and_eval(tmp_path: str, capsys: pytest.CaptureFixture[str]
         f.write("Once upon a time there was a cat.\n\nThe dog ran to the park and played.")
     a = p.parse_args(["quantize", DEFAULT_MODEL, "--method", "rtn", "--bits", "8",
                       "--group-size", "32", "--num-samples", "2", "--seq-len", "32",
-                      "--eval-text", text, "--out", out])
+                      "--eval-text", text, "--allow-unquantized", "--out", out])
     assert a.func(a) == 0
     printed = json.loads(capsys.readouterr().out)
     report = json.load(open(os.path.join(out, "quantization_report.json")))

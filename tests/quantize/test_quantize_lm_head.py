@@ -28,7 +28,8 @@ from nybble.quantize.driver import QuantizeOptions, quantize_model
 @pytest.fixture(scope="module")
 def quantized(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
     out = str(tmp_path_factory.mktemp("qhead") / "out")
-    opts = QuantizeOptions(method="rtn", bits=4, group_size=32, sym=False, lm_head=True)
+    opts = QuantizeOptions(method="rtn", bits=4, group_size=32, sym=False, lm_head=True,
+                           allow_unquantized=True)
     return out, quantize_model(DEFAULT_MODEL, out, opts, progress=False)
 
 

@@ -31,6 +31,7 @@ EVAL = ("Tom and Sue went to the park. They saw a big dog. The dog was happy.\n\
 def quantized(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
     out = str(tmp_path_factory.mktemp("report") / "gptq")
     opts = QuantizeOptions(method="gptq", bits=4, group_size=32, calib_text=CALIB,
+                           allow_unquantized=True,
                            calib_source="calib.txt", num_samples=4, seq_len=64,
                            eval_text=EVAL, eval_source="eval.txt")
     return out, quantize_model(DEFAULT_MODEL, out, opts, progress=False)

@@ -17,7 +17,8 @@ pytestmark = [pytest.mark.server, pytest.mark.slow]
 def test_serve_a_folder_written_by_nybble_quantize(tmp_path, capsys) -> None:
     out = tmp_path / "stories260k-gptq-w4g32"
     assert main(["quantize", DEFAULT_MODEL, "--method", "gptq", "--bits", "4", "--group-size",
-                 "32", "--num-samples", "8", "--seq-len", "64", "--out", str(out)]) == 0
+                 "32", "--num-samples", "8", "--seq-len", "64", "--allow-unquantized",
+                 "--out", str(out)]) == 0
     capsys.readouterr()
     prompt = "Once upon a time"
     offline = LLM(str(out)).generate(prompt, SamplingParams(temperature=0, max_tokens=24),
