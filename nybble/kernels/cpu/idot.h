@@ -333,8 +333,8 @@ static NYB_VNNI_TARGET void nyb_id_step(const nyb_qw *W, const nyb_idx *X, int64
 static NYB_VNNI_TARGET void nyb_id_avx512(const nyb_qw *W, const nyb_idx *X, int64_t M,
                                            int64_t jb_lo, int64_t jb_hi, float *y,
                                            int64_t ldy, const float *bias, int acc) {
-    const int rows_per = M >= 4 ? 4 : M >= 2 ? 2 : 1;
-    const int64_t CB = rows_per == 1 ? 8 : rows_per == 2 ? 4 : 2;
+    const int rows_per = nyb_qg_tile_rows(M);
+    const int64_t CB = nyb_qg_tile_cols(M);
     for (int64_t mb = 0; mb < M; mb += NYB_QG_MB) {
         const int64_t mend = M - mb < NYB_QG_MB ? M : mb + NYB_QG_MB;
         for (int64_t jb = jb_lo; jb < jb_hi; jb += CB) {
@@ -397,7 +397,7 @@ static int nyb_idgemm(const nyb_qw *W, const float *x, int64_t M, int64_t ldx, f
         /* column blocks over the pool's threads (pool.h), a register tile's worth a chunk */
         nyb_id_job job = {W, &X, M, y, ldy, bias, acc};
         const int64_t Nb = W->Np / NYB_QG_COLS;
-        nyb_parallel_for(Nb, nyb_pool_chunk(Nb, M >= 4 ? 2 : M >= 2 ? 4 : 8), nyb_id_range,
+        nyb_parallel_for(Nb, nyb_pool_chunk(Nb, nyb_qg_tile_cols(M)), nyb_id_range,
                          &job);
     } else
 #endif

@@ -106,6 +106,16 @@ static inline float nyb_qg_scale(const nyb_qw *W, int64_t i) {
     return W->s16 ? nyb_half_float(((const uint16_t *)W->s)[i]) : ((const float *)W->s)[i];
 }
 
+/* Register tiles of both GEMMs: rows per tile for M rows (4, 2 or 1) and column blocks per
+ * tile (8 for one row, 4 for two: enough independent sums and memory streams to hide the dot
+ * instruction's latency; 2 for four rows, each loaded weight vector then feeding four rows).
+ * A tile's columns are also the pool's natural chunk. */
+static inline int nyb_qg_tile_rows(int64_t M) { return M >= 4 ? 4 : M >= 2 ? 2 : 1; }
+static inline int64_t nyb_qg_tile_cols(int64_t M) {
+    const int r = nyb_qg_tile_rows(M);
+    return r == 1 ? 8 : r == 2 ? 4 : 2;
+}
+
 #include "idot.h"
 
 /* The integer q - o of packed row k, column n. */
@@ -333,18 +343,15 @@ static NYB_BF16_TARGET void nyb_qg_step(const nyb_qw *W, const uint16_t *xr, con
 }
 
 static NYB_BF16_TARGET void nyb_qg_avx512(const nyb_qw *W, const uint16_t *xb, const float *sx,
-                                           int64_t M, int64_t jb_lo, int64_t Nb, float *y,
-                                           int64_t ldy, const float *bias, int acc) {
+                                           int64_t M, int64_t jb_lo, int64_t jb_hi,
+                                           float *y, int64_t ldy, const float *bias, int acc) {
     const int64_t K = W->K, G = W->G;
-    /* Column blocks per tile: 8 for one row, 4 for two (enough independent sums and memory
-     * streams to hide VDPBF16PS's latency), 2 for four rows (each unpacked weight vector
-     * then feeds four rows). */
-    const int rows_per = M >= 4 ? 4 : M >= 2 ? 2 : 1;
-    const int64_t CB = rows_per == 1 ? 8 : rows_per == 2 ? 4 : 2;
+    const int rows_per = nyb_qg_tile_rows(M);
+    const int64_t CB = nyb_qg_tile_cols(M);
     for (int64_t mb = 0; mb < M; mb += NYB_QG_MB) {
         const int64_t mend = M - mb < NYB_QG_MB ? M : mb + NYB_QG_MB;
-        for (int64_t jb = jb_lo; jb < Nb; jb += CB) {
-            const int64_t jend = Nb - jb < CB ? Nb : jb + CB;
+        for (int64_t jb = jb_lo; jb < jb_hi; jb += CB) {
+            const int64_t jend = jb_hi - jb < CB ? jb_hi : jb + CB;
             for (int64_t m = mb; m < mend;) {
                 const int R = mend - m >= rows_per ? rows_per : (mend - m >= 2 ? 2 : 1);
                 for (int64_t j = jb; j < jend;) {
@@ -393,7 +400,7 @@ static int nyb_qgemm(const nyb_qw *W, const float *x, int64_t M, int64_t ldx, fl
     if (!portable && nyb_qg_cpu_bf16()) {
         nyb_qg_job job = {W, xb, sx, M, y, ldy, bias, acc};
         const int64_t Nb = W->Np / NYB_QG_COLS;
-        nyb_parallel_for(Nb, nyb_pool_chunk(Nb, M >= 4 ? 2 : M >= 2 ? 4 : 8), nyb_qg_range,
+        nyb_parallel_for(Nb, nyb_pool_chunk(Nb, nyb_qg_tile_cols(M)), nyb_qg_range,
                          &job);
     } else
 #endif
