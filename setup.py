@@ -64,6 +64,7 @@ extensions.append(Extension(
     "nybble.kernels.cpu.qgemm", ["nybble/kernels/cpu/qgemm.pyx"], define_macros=macros,
     include_dirs=["nybble/kernels/cpu", np.get_include()],
     depends=["nybble/kernels/cpu/qgemm.h", "nybble/kernels/cpu/idot.h",
+             "nybble/kernels/cpu/qdequant.h",
              "nybble/kernels/cpu/qgemm_struct.pxi", "nybble/kernels/cpu/cpu_arrays.pxi",
              "nybble/kernels/cpu/cpu_features.h", "nybble/kernels/cpu/pool.h",
              "nybble/kernels/cpu/pool.pxi"],

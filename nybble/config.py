@@ -23,6 +23,8 @@ DEFAULT_MODEL = os.path.join(os.path.dirname(__file__), "_bundled", "stories260k
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 CPU_ACTIVATION_DTYPES = ("auto", "int16", "int8", "bfloat16", "float32")
 """What ``ModelConfig.cpu_activation_dtype`` (``--cpu-activation-dtype``) may be."""
+CPU_PREFILL_GEMMS = ("auto", "bfloat16", "kernel")
+"""What ``ModelConfig.cpu_prefill_gemm`` (``--cpu-prefill-gemm``) may be."""
 _ATTN_BACKENDS = ("auto", "cpu", "torch", "triton")
 _QUANT = (None, "awq", "gptq", "compressed-tensors", "gguf")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "int8")
@@ -181,6 +183,12 @@ class ModelConfig:
             (the exact path: float32 activations, the dequantized weight's exact products),
             or ``auto`` (int16 where the CPU has AVX-512 VNNI, else bfloat16 where it has
             AVX-512 BF16, else float32). Dense weights and GPUs are unaffected.
+        cpu_prefill_gemm: how the CPU runs a quantized matmul of many rows (prefill chunks
+            of at least ``qgemm_pack.PREFILL_ROWS`` tokens): ``bfloat16`` (dequantize the
+            weight to bfloat16 once per call, then a bfloat16 GEMM: AMX tiles through
+            oneDNN), ``kernel`` (the decode kernel of ``cpu_activation_dtype`` for every
+            step), or ``auto`` (bfloat16 where the CPU has AMX-BF16 and the activations are
+            not the exact ``float32``, else kernel).
         max_logprobs: largest ``logprobs`` / ``top_logprobs`` a request may ask for
             (vLLM's ``--max-logprobs``); the request gate also caps it at the vocabulary size.
     """
@@ -195,6 +203,7 @@ class ModelConfig:
     served_model_name: str | None = None
     max_logprobs: int = 20
     cpu_activation_dtype: str = "auto"
+    cpu_prefill_gemm: str = "auto"
 
     def __post_init__(self) -> None:
         _check(self.dtype in _DTYPES, "dtype", f"one of {_DTYPES}", self.dtype)
@@ -205,6 +214,8 @@ class ModelConfig:
         _check(self.max_logprobs >= 0, "max_logprobs", ">= 0", self.max_logprobs)
         _check(self.cpu_activation_dtype in CPU_ACTIVATION_DTYPES, "cpu_activation_dtype",
                f"one of {CPU_ACTIVATION_DTYPES}", self.cpu_activation_dtype)
+        _check(self.cpu_prefill_gemm in CPU_PREFILL_GEMMS, "cpu_prefill_gemm",
+               f"one of {CPU_PREFILL_GEMMS}", self.cpu_prefill_gemm)
 
     def check_folders(self) -> None:
         """Check, cheaply, that the model (and tokenizer) folders exist.

@@ -5,6 +5,7 @@ import argparse
 
 from nybble.config import (
     CPU_ACTIVATION_DTYPES,
+    CPU_PREFILL_GEMMS,
     DEFAULT_MODEL,
     DISTRIBUTED_EXECUTOR_BACKENDS,
     KV_CACHE_DTYPES,
@@ -69,6 +70,12 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
                              "(AVX-512 BF16 dot products), float32 (exact: reproduces the "
                              "dequantized model's float32 outputs); auto: int16 with VNNI, "
                              "else bfloat16 with AVX-512 BF16, else float32")
+    parser.add_argument("--cpu-prefill-gemm", default="auto", choices=list(CPU_PREFILL_GEMMS),
+                        help="quantized matmuls of prefill chunks (at least 128 tokens) on "
+                             "the CPU: bfloat16 (dequantize the weight to bfloat16, then a "
+                             "bfloat16 GEMM: AMX tiles through oneDNN), kernel (the "
+                             "--cpu-activation-dtype kernel for every step); auto: bfloat16 "
+                             "where the CPU has AMX-BF16 and the activations are not float32")
     parser.add_argument("--max-logprobs", type=int, default=20,
                         help="largest logprobs / top_logprobs a request may ask for")
     parser.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32],
@@ -138,7 +145,8 @@ def engine_config_from_args(args: argparse.Namespace,
         model=model, tokenizer=args.tokenizer, dtype=args.dtype,
         max_model_len=args.max_model_len, quantization=args.quantization, device=args.device,
         seed=args.seed, served_model_name=served_model_name, max_logprobs=args.max_logprobs,
-        cpu_activation_dtype=args.cpu_activation_dtype, block_size=args.block_size,
+        cpu_activation_dtype=args.cpu_activation_dtype,
+        cpu_prefill_gemm=args.cpu_prefill_gemm, block_size=args.block_size,
         num_gpu_blocks=args.num_gpu_blocks, kv_cache_memory=args.kv_cache_memory,
         enable_prefix_caching=args.enable_prefix_caching, kv_cache_dtype=args.kv_cache_dtype,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,

@@ -16,7 +16,9 @@ keep the torch path.
 
 A quantized model runs fused every step its torch path would run on the same kernels: every
 step for bf16-dot weights, steps of up to :data:`~nybble.kernels.cpu.weight_only.KERNEL_ROWS`
-tokens for weight-only ones (longer steps take the reference dequantization there); the
+tokens for weight-only ones (longer steps take the reference dequantization there), and,
+where the bfloat16 prefill GEMM is on (``CpuPathLog.prefill_rows``: CPUs with AMX-BF16),
+steps of fewer tokens than it starts at (longer ones take the torch path and that GEMM); the
 projections are then the same kernel calls on either path, so the fused step only removes the
 torch ops between them. A dense model that is small (linear weights of at most
 :data:`SMALL_MODEL_BYTES`, which stay in the CPU's caches) runs every step fused, prefill and
@@ -107,12 +109,13 @@ class FusedCpuDecode:
 
     def __init__(self, decoder: CpuDecoder, hidden_size: int,
                  kv_caches: list[torch.Tensor], every_step: bool,
-                 max_tokens: int | None = None) -> None:
+                 max_tokens: int | None = None, defer_from: int | None = None) -> None:
         self.decoder = decoder
         self.hidden_size = hidden_size
         self.cache_ptrs = tuple(c.data_ptr() for c in kv_caches)
         self.every_step = every_step
         self.max_tokens = max_tokens   # a fixed cap (weight-only quantized models), or None
+        self.defer_from = defer_from   # steps of this many tokens take the torch path
 
     @classmethod
     def build(cls, model: CausalLMParts, kv_caches: list[torch.Tensor]
@@ -171,9 +174,15 @@ class FusedCpuDecode:
                     f"fused C step (steps of up to {KERNEL_ROWS} tokens: weight-only quantized "
                     f"projections)")
         if quantized:
+            kind = "integer" if integer else "bf16"
+            defer = _prefill_rows(model)
+            if defer is not None:
+                return (cls(decoder, model.config.hidden_size, kv_caches, True,
+                            defer_from=defer),
+                        f"fused C step (steps of fewer than {defer} tokens: {kind}-dot "
+                        f"quantized projections; longer ones take the bfloat16 prefill GEMM)")
             return (cls(decoder, model.config.hidden_size, kv_caches, True),
-                    f"fused C step (every step: {'integer' if integer else 'bf16'}-dot "
-                    f"quantized projections)")
+                    f"fused C step (every step: {kind}-dot quantized projections)")
         linear_bytes = sum(a.nbytes for ly in layers for a in ly[1:10] if a is not None)
         every_step = linear_bytes <= SMALL_MODEL_BYTES
         return (cls(decoder, model.config.hidden_size, kv_caches, every_step),
@@ -198,6 +207,8 @@ class FusedCpuDecode:
         cap = self.max_tokens if self.max_tokens is not None else MAX_FUSED_TOKENS
         if tokens > cap and not self.every_step:
             return None
+        if self.defer_from is not None and tokens >= self.defer_from:
+            return None
         tables = meta.block_tables.numpy()
         if meta.is_decode_only and tables.shape[0] == tokens:
             seq_lens = meta.seq_lens.numpy()
@@ -210,6 +221,12 @@ class FusedCpuDecode:
                              np.ascontiguousarray(tables, dtype=np.int32),
                              np.ascontiguousarray(seq_lens, dtype=np.int32), out.numpy())
         return out
+
+
+def _prefill_rows(model: CausalLMParts) -> int | None:
+    """The quantized layers' ``CpuPathLog.prefill_rows`` (None: no bfloat16 prefill GEMM)."""
+    log = next((m.path_log for m in model.modules() if hasattr(m, "path_log")), None)
+    return None if log is None else log.prefill_rows
 
 
 def _unfused_feature(model: LlamaForCausalLM) -> str | None:

@@ -12,6 +12,11 @@ include "cpu_arrays.pxi"
 include "qgemm_struct.pxi"
 include "pool.pxi"
 
+from libc.stdint cimport uint16_t
+
+cdef extern from "qdequant.h" nogil:
+    void nyb_qdequant_bf16(const nyb_qw *W, uint16_t *out, int64_t ldo)
+
 cnp.import_array()
 
 
@@ -59,3 +64,23 @@ def qgemm(const float[:, :] x, object packed, float[:, :] out, const float[::1] 
                        out.strides[0] // sizeof(float), b, accumulate, portable)
     if rc != 0:
         raise MemoryError("cpu_qgemm: no memory for the rounded or quantized activations")
+
+
+def dequant_bf16(object packed, uint16_t[:, ::1] out):
+    """``out[n, k]`` = the packed weight's value ``W[n, k]`` (what :func:`qgemm` multiplies
+    by: float32 ``s q``, ``s (q - zq)`` or ``s q + mo``) rounded to bfloat16 (nearest even),
+    as bits, in the original input order (act order undone): torch's ``[N, K]`` Linear
+    layout (``qdequant.h``). Column blocks run on this module's threads.
+
+    Args:
+        packed: a ``QPacked`` (either layout). out: ``[N, K]`` uint16, C-contiguous.
+
+    Raises:
+        ValueError: ``out`` is not ``[N, K]``.
+    """
+    cdef nyb_qw W
+    _fill_qw(&W, packed)
+    if out.shape[0] != W.N or out.shape[1] != W.K:
+        raise ValueError(f"out must be [{W.N}, {W.K}], got [{out.shape[0]}, {out.shape[1]}]")
+    with nogil:
+        nyb_qdequant_bf16(&W, &out[0, 0], W.K)

@@ -200,6 +200,61 @@ def linear(x: torch.Tensor, w: QPacked, bias: torch.Tensor | None,
     return y.to(x.dtype)
 
 
+PREFILL_ROWS = 128
+"""Rows from which :func:`prefill_linear` replaces :func:`linear` on CPUs with AMX-BF16.
+Measured on SmolLM2-135M's projections (one thread, Sapphire Rapids class, 2026-12-03): the
+integer-dot kernel runs ~2.2 ms per row for the 30 layers; the bf16 route costs ~200 ms of
+dequantization per step plus ~0.22 ms per row, so it wins from ~100 rows."""
+
+
+def has_amx_bf16() -> bool:
+    """True when the CPU has AMX-BF16 and the process may use its tiles (Linux asks the
+    kernel for the tile state once, through torch): oneDNN's bf16 GEMM then runs on AMX
+    tiles, ~8x float32's rate on one core here. Cached."""
+    global _AMX
+    if _AMX is None:
+        flags = ""
+        try:
+            with open("/proc/cpuinfo") as f:
+                flags = next((ln for ln in f if ln.startswith("flags")), "")
+        except OSError:
+            pass
+        init = getattr(getattr(torch._C, "_cpu", None), "_init_amx", None)
+        _AMX = " amx_bf16" in flags and " amx_tile" in flags and bool(init and init())
+    return _AMX
+
+
+_AMX: bool | None = None
+
+
+def dequantize_bf16(w: QPacked) -> torch.Tensor:
+    """The packed weight as bfloat16 ``[N, K]`` in the original input order: each value
+    exactly what :func:`linear` multiplies by (float32), rounded to nearest even
+    (``qdequant.h``)."""
+    out = np.empty((w.out_features, w.in_features), np.uint16)
+    cpu_qgemm.dequant_bf16(w, out)
+    return torch.from_numpy(out.view(np.int16)).view(torch.bfloat16)
+
+
+def prefill_linear(x: torch.Tensor, w: QPacked, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x [M, K] @ W^T + bias`` for many rows (prefill): the weight dequantized to bfloat16
+    once (:func:`dequantize_bf16`), then torch's bfloat16 GEMM (oneDNN; AMX tiles where the
+    CPU has them) on ``bf16(x)``, float32 sums, the output rounded to bfloat16 and returned
+    as ``[M, N]`` in ``x.dtype``. Against :func:`linear` this adds the weight's and the
+    output's bfloat16 rounding (relative ``2^-9`` each); its cost in held-out perplexity is
+    measured in ``benchmarks/cpu_activation_ppl.py`` (benchmarks/README.md).
+
+    Raises:
+        ValueError: ``x`` not ``[M, K]``.
+    """
+    if x.dim() != 2 or x.shape[1] != w.in_features:
+        raise ValueError(f"x must be [M, {w.in_features}], got {list(x.shape)}")
+    y = (x.to(torch.bfloat16) @ dequantize_bf16(w).T).to(x.dtype)
+    if bias is not None:
+        y += bias.to(x.dtype)
+    return y
+
+
 def round_bf16(x: torch.Tensor) -> torch.Tensor:
     """``x`` rounded to bfloat16 (nearest even) and back to float32: what the kernel reads."""
     return x.float().to(torch.bfloat16).float()

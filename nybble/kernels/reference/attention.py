@@ -104,6 +104,9 @@ class PrefillPlan:
         allowed: ``[Bp, 1, max_q, S]`` bool causal mask.
         batch, max_query_len, max_seq_len: ``Bp``, ``max_q``, ``S``.
         q_pos: ``[Bp, max_q]`` int64 absolute position of each (padded) query row.
+        causal: every chunk starts at position 0 and nothing narrows ``allowed`` (no
+            window): ``allowed`` is then the plain causal mask for every row kept, and the
+            attention runs as ``is_causal`` (no mask tensor: torch's faster flash path).
     """
 
     tokens: torch.Tensor | None
@@ -114,6 +117,7 @@ class PrefillPlan:
     max_query_len: int
     max_seq_len: int
     q_pos: torch.Tensor
+    causal: bool = False
 
 
 @dataclass(slots=True)
@@ -206,7 +210,7 @@ def _plan_prefill(meta: AttentionMetadata, group: torch.Tensor | None, q_lens: t
         (k_pos[None, None, :] < seq_lens[:, None, None])  # [Bp, max_q, S]
     return PrefillPlan(tokens, seq_of_row * max_q + row_in_seq,
                        _slots(tables, max_s, kv_cache.shape[2]), allowed[:, None], batch,
-                       max_q, max_s, q_pos)
+                       max_q, max_s, q_pos, bool(torch.equal(q_lens, seq_lens)))
 
 
 def plan_attention(meta: AttentionMetadata, kv_cache: torch.Tensor) -> AttentionPlan:
@@ -243,7 +247,7 @@ def windowed_plan(plan: AttentionPlan, window: int) -> AttentionPlan:
     if pre is not None:
         k_pos = _arange(pre.max_seq_len, pre.q_pos.device)
         inside = k_pos[None, None, :] > (pre.q_pos - window)[:, :, None]  # [Bp, max_q, S]
-        pre = replace(pre, allowed=pre.allowed & inside[:, None])
+        pre = replace(pre, allowed=pre.allowed & inside[:, None], causal=False)
     found = plan.windowed[window] = AttentionPlan(dec, pre, plan.write_rows)
     return found
 
@@ -320,7 +324,8 @@ def _prefill(query: torch.Tensor, kv_cache: torch.Tensor, plan: PrefillPlan,
     if softcap is None:
         out = F.scaled_dot_product_attention(
             q_pad.transpose(1, 2), kv[0].transpose(1, 2), kv[1].transpose(1, 2),
-            attn_mask=plan.allowed, scale=scale, enable_gqa=num_heads > num_kv_heads)
+            attn_mask=None if plan.causal else plan.allowed, is_causal=plan.causal,
+            scale=scale, enable_gqa=num_heads > num_kv_heads)
     else:
         out = _softcapped_attention(q_pad.transpose(1, 2), kv[0].transpose(1, 2),
                                     kv[1].transpose(1, 2), plan.allowed, scale, softcap)

@@ -1,0 +1,77 @@
+/* A packed 4/8-bit weight (qgemm.h / idot.h layouts) dequantized to bfloat16, for prefill:
+ * out[n, perm ? perm[k] : k] = bf16(W[n, k]) with W[n, k] the value the GEMM kernels multiply
+ * by (s q, s (q - zq) or s q + mo, float32, then rounded to nearest even), row-major [N, K]
+ * with row stride ldo, i.e. torch's Linear weight layout in the original input order (act
+ * order undone).  Many-row steps (prefill chunks) multiply x by this with a bfloat16 matrix
+ * GEMM (on CPUs with AMX-BF16 that is oneDNN's tile kernel); the weight is dequantized once
+ * per call and reused across all the rows, the "dequantize + bf16 GEMM" option of the
+ * prefill path (issue 22.5).
+ *
+ * The integer-dot layout is walked unit by unit (one group's scale per unit and column, no
+ * division per value); the bf16-dot layout value by value through nyb_qg_q.  Column blocks
+ * are spread over pool.h's threads.  Included by qgemm.h's users after qgemm.h. */
+#ifndef NYB_CPU_QDEQUANT_H
+#define NYB_CPU_QDEQUANT_H
+
+#include <stdint.h>
+
+#include "pool.h"
+#include "qgemm.h"
+
+/* The value stored integer u (0 .. 2^bits - 1) stands for in group entry gi. */
+static inline float nyb_qd_value(const nyb_qw *W, int64_t gi, float s, int u) {
+    const float q = (float)(u - (1 << (W->bits - 1)));
+    if (W->mode == NYB_QG_ZERO) return s * (q - (float)W->zq[gi]);
+    if (W->mode == NYB_QG_MIN) return s * q + W->mo[gi];
+    return s * q;
+}
+
+typedef struct {
+    const nyb_qw *W;
+    uint16_t *out;
+    int64_t ldo;
+} nyb_qd_job;
+
+/* Column blocks lo .. hi. */
+static void nyb_qd_range(void *ctx, int64_t lo, int64_t hi) {
+    const nyb_qd_job *j = (const nyb_qd_job *)ctx;
+    const nyb_qw *W = j->W;
+    const int64_t K = W->K;
+    for (int64_t jb = lo; jb < hi; jb++) {
+        for (int c = 0; c < NYB_QG_COLS; c++) {
+            const int64_t n = jb * NYB_QG_COLS + c;
+            if (n >= W->N) break;
+            uint16_t *row = j->out + n * j->ldo;
+            if (!W->xq) {            /* bf16-dot layout: value by value */
+                for (int64_t k = 0; k < K; k++) {
+                    const int64_t gi = (k / W->group) * W->Np + n;
+                    const int u = nyb_qg_q(W, k, n) + (1 << (W->bits - 1));
+                    row[W->perm ? W->perm[k] : k] =
+                        nyb_bf16_bits(nyb_qd_value(W, gi, nyb_qg_scale(W, gi), u));
+                }
+                continue;
+            }
+            const int rows = W->bits == 4 ? 8 : 4;      /* input rows per 64-byte unit */
+            const int64_t units = K / rows;
+            for (int64_t u = 0; u < units; u++) {
+                const uint8_t *b = nyb_id_unit(W, jb, u) + 4 * c;
+                const int64_t k0 = u * rows, gi = (k0 / W->group) * W->Np + n;
+                const float s = nyb_qg_scale(W, gi);
+                for (int i = 0; i < rows; i++) {
+                    const int v = W->bits == 4 ? (i < 4 ? b[i] & 0xf : b[i - 4] >> 4) : b[i];
+                    const int64_t k = k0 + i;
+                    row[W->perm ? W->perm[k] : k] = nyb_bf16_bits(nyb_qd_value(W, gi, s, v));
+                }
+            }
+        }
+    }
+}
+
+/* out [N, K] bf16 bits (row stride ldo >= K) = the dequantized weight, original input order. */
+static void nyb_qdequant_bf16(const nyb_qw *W, uint16_t *out, int64_t ldo) {
+    nyb_qd_job job = {W, out, ldo};
+    const int64_t Nb = (W->N + NYB_QG_COLS - 1) / NYB_QG_COLS;
+    nyb_parallel_for(Nb, nyb_pool_chunk(Nb, 4), nyb_qd_range, &job);
+}
+
+#endif
