@@ -81,6 +81,11 @@ def check_model_dir(model_dir: str) -> None:
         return
     what = ("has no config.json" if os.path.isdir(model_dir) else
             "is a file, expected a folder" if os.path.exists(model_dir) else "does not exist")
+    if os.path.isdir(model_dir):
+        ggufs = sorted(n for n in os.listdir(model_dir) if n.endswith(".gguf"))
+        if ggufs:
+            what += (f" but holds GGUF file(s) ({', '.join(ggufs[:3])}): pass the file itself, "
+                     f"e.g. {os.path.join(model_dir, ggufs[0])!r}")
     raise UnsupportedModelError(
         f"model must be a local Hugging Face model folder (config.json, *.safetensors, "
         f"tokenizer files), got {model_dir!r}, which {what}; nybble does not download "

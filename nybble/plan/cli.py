@@ -1,7 +1,8 @@
-"""``nybble plan MODEL``: print the memory plan of a model folder on a GPU of a given size.
+"""``nybble plan MODEL``: print the memory plan of a model folder or GGUF file on a GPU of a
+given size.
 
-Reads ``config.json`` and the safetensors headers only (no weights are loaded, no GPU is
-needed); see :mod:`nybble.plan.planner` for what is computed and how it matches the engine.
+Reads ``config.json`` and the safetensors headers only, or a GGUF file's metadata and tensor
+table (no weights are loaded, no GPU is needed); see :mod:`nybble.plan.planner` for what is computed and how it matches the engine.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "quantization), KV-cache bytes per token, how many sequences fit, the "
                     "longest context, and what to change when nothing fits. Uses the "
                     "engine's own KV-pool sizing; loads no weights.")
-    p.add_argument("model", metavar="MODEL", help="model folder (config.json + *.safetensors)")
+    p.add_argument("model", metavar="MODEL", help="model folder (config.json + *.safetensors) or a .gguf file")
     p.add_argument("--gpu-memory", type=parse_bytes, default=parse_bytes("16GiB"),
                    help="memory of one GPU, e.g. 24GiB (default: 16GiB)")
     p.add_argument("--max-model-len", type=int, default=None,
@@ -40,7 +41,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Print the plan; exit code 0, or 1 when no sequence of ``--max-model-len`` fits."""
-    from nybble.config import check_model_dir
+    from nybble.config import check_model_dir, config_folder, is_gguf
 
     check_model_dir(args.model)
     import torch
@@ -49,13 +50,14 @@ def run(args: argparse.Namespace) -> int:
     from nybble.models.loader import resolve_dtype
     from nybble.models.shape import ModelShape
     from nybble.plan.planner import PlanRequest, format_plan, plan_memory
-    from nybble.plan.weights import checkpoint_tensors
+    from nybble.plan.weights import checkpoint_tensors, gguf_tensors
 
-    hf_config = load_hf_config(args.model)
+    hf_config = load_hf_config(config_folder(args.model))
     dtype = str(resolve_dtype(args.dtype, hf_config, torch.device("cuda"))).replace("torch.", "")
     request = PlanRequest(args.gpu_memory, args.max_model_len, args.kv_cache_dtype,
                           args.tensor_parallel_size, dtype, args.block_size)
-    plan = plan_memory(ModelShape.from_hf_config(hf_config), checkpoint_tensors(args.model),
+    tensors = gguf_tensors(args.model) if is_gguf(args.model) else checkpoint_tensors(args.model)
+    plan = plan_memory(ModelShape.from_hf_config(hf_config), tensors,
                        int(getattr(hf_config, "max_position_embeddings", 2048)), request)
     print(format_plan(plan, args.model))
     return 0 if plan.num_sequences else 1

@@ -70,6 +70,28 @@ def checkpoint_tensors(model_dir: str) -> dict[str, TensorInfo]:
     return tensors
 
 
+def gguf_tensors(path: str) -> dict[str, TensorInfo]:
+    """Every tensor of a GGUF model (all shards) in :func:`checkpoint_tensors`' terms: float
+    tensors (F32/F16/BF16/F64) with their element shape, so they count at the serving dtype;
+    block-quantized ones (Q4_0, Q4_K, Q8_0, ...) as ``U8 [rows, bytes per row]``, their bytes
+    as stored (ggml's block layout: the engine keeps each format's packed integers and
+    scales, so the stored size is the weight's size within a few per cent).
+
+    Raises:
+        UnsupportedModelError: not a readable GGUF file (:class:`nybble.gguf.reader.GGUFFile`).
+    """
+    from nybble.gguf.reader import GGUFFile
+
+    out: dict[str, TensorInfo] = {}
+    for name, t in GGUFFile(path).tensors.items():
+        if t.type_name in _FLOATS:
+            out[name] = TensorInfo(t.type_name, t.shape)
+        else:
+            rows = t.shape[0] if len(t.shape) > 1 else 1
+            out[name] = TensorInfo("U8", (rows, int(t.data.nbytes) // rows))
+    return out
+
+
 def weight_bytes(tensors: dict[str, TensorInfo], dtype: str,
                  tensor_parallel_size: int = 1) -> int:
     """Bytes the engine holds for ``tensors`` on one rank: floating tensors at the serving

@@ -106,3 +106,15 @@ def test_quantization_flag(tmp_path: Path) -> None:
         _load(Q40, quantization="gptq")
     with pytest.raises(UnsupportedModelError, match="'gguf' needs a .gguf model file"):
         _load(shared_path("fixtures", "quant", "tiny-llama-fp32"), quantization="gguf")
+
+
+def test_a_folder_holding_only_a_gguf_file_names_the_file(tmp_path: Path) -> None:
+    """The folder of a published GGUF (no config.json) is refused with the file to pass."""
+    from nybble.config import check_model_dir
+
+    folder = tmp_path / "published"
+    folder.mkdir()
+    os.symlink(Q40, folder / "model-Q4_0.gguf")
+    with pytest.raises(UnsupportedModelError, match=r"has no config\.json but holds GGUF file"
+                       r"\(s\) \(model-Q4_0\.gguf\): pass the file itself"):
+        check_model_dir(str(folder))

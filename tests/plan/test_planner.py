@@ -158,3 +158,22 @@ def test_the_docs_gpu_table_is_the_planners() -> None:
 
     with open(os.path.join(root, "docs", "memory-planner.md"), encoding="utf-8") as f:
         assert table() in f.read()
+
+
+def test_a_gguf_file_is_planned_from_its_tensor_table(capsys: pytest.CaptureFixture[str]) -> None:
+    """``nybble plan FILE.gguf``: block-quantized tensors count their bytes as stored, float
+    tensors at the serving dtype; the reference is gguf-py's own tensor table."""
+    from gguf import GGUFReader
+
+    from nybble.plan.weights import gguf_tensors
+
+    path = shared_path("fixtures", "gguf", "stories3m-Q4_K_M.gguf")
+    reader = GGUFReader(path)
+    floats = {"F32", "F16", "BF16"}
+    expected = sum(int(t.n_elements) * 2 if t.tensor_type.name in floats else int(t.n_bytes)
+                   for t in reader.tensors)
+    assert any(t.tensor_type.name not in floats for t in reader.tensors)
+    assert weight_bytes(gguf_tensors(path), "float16") == expected
+    assert main(["plan", path, "--gpu-memory", "64MiB", "--max-model-len", "256"]) == 0
+    out = capsys.readouterr().out
+    assert path in out and f"weights          {expected} bytes" in out

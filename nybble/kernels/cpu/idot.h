@@ -64,6 +64,9 @@ static inline int nyb_id_cpu_vnni(void) {
 #endif
 }
 
+/* AVX2 + FMA + F16C: the integer-dot path without VNNI (VPMADDUBSW, see nyb_id2_tile). */
+static inline int nyb_id_cpu_avx2(void) { return nyb_cpu_has_avx2_fma(); }
+
 /* Activation block: the largest of 32, 16, 8, 4 that divides the group. */
 static inline int64_t nyb_id_ablock(int64_t group) {
     return group % 32 == 0 ? 32 : group % 16 == 0 ? 16 : group % 8 == 0 ? 8 : 4;
@@ -357,6 +360,239 @@ static NYB_VNNI_TARGET void nyb_id_avx512(const nyb_qw *W, const nyb_idx *X, int
 #endif
 
 #ifdef NYB_X86_BF16
+/* ---- AVX2 (no VNNI): the same integer sums with VPMADDUBSW + VPMADDWD -------------------
+ *
+ * VPMADDUBSW multiplies unsigned weight bytes by signed activation bytes and adds adjacent
+ * pairs into int16 lanes with saturation; VPMADDWD by ones (or 16) then sums int16 pairs into
+ * int32, so MADDUBS + MADDWD is one VPDPBUSD's four-product lane sum.  The products stay
+ * exact because every weight operand is at most 15: a 4-bit unit's nibbles are used as they
+ * are, an 8-bit weight is split into its two nibbles (q = 16 qh + ql, summed separately, qh's
+ * sum weighted by 16 in VPMADDWD).  Activation bytes are in [-128, 127], so each int16 lane of
+ * one VPMADDUBSW is at most 2 * 15 * 128 = 3840 in magnitude and the int16 sums of a whole
+ * activation block (at most 32 input rows: 16 products per lane) at most 30720 < 2^15: the
+ * lanes are added in int16 (no saturation reached) and widened once per block.  From there the
+ * float steps are the AVX-512 tile's, in the same order, so the output equals the portable
+ * loop's bit for bit.  A 64-byte unit is two 256-bit halves (columns 0-7 and 8-15 of its
+ * 16-column block); a tile is R rows x H halves, its running totals kept in the caller's yt
+ * (one load/store per group and half: AVX2 has 16 vector registers, not 32). */
+#define NYB_ID2_TARGET __attribute__((target("avx2,fma,f16c")))
+#define NYB_ID2_INLINE static inline __attribute__((always_inline)) NYB_ID2_TARGET
+
+NYB_ID2_INLINE __m256i nyb_id2_bcast(const int8_t *x4) {
+    int32_t v;
+    memcpy(&v, x4, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/* R rows (from m0) x H halves (8 columns each, from half hb0 = columns 8 hb0 ..) into
+ * yt [R][H * 8], which starts at zero; P activation planes. */
+NYB_ID2_INLINE void nyb_id2_tile(const nyb_qw *W, const nyb_idx *X, int64_t m0, int64_t hb0,
+                                 float *yt, const int R, const int H, const int P) {
+    const int64_t K = W->K, ab = nyb_id_ablock(W->group), NA = X->NA;
+    const __m256i mask = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi16(1),
+                  sixteen = _mm256_set1_epi16(16);
+    for (int64_t g = 0; g < W->G; g++) {
+        const int64_t ks = g * W->group, ke = ks + W->group < K ? ks + W->group : K;
+        __m256 d[4][4];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+            for (int h = 0; h < H; h++) d[r][h] = _mm256_setzero_ps();
+        for (int64_t kb = ks; kb < ke; kb += ab) {
+            const int64_t kbe = kb + ab < ke ? kb + ab : ke, b = kb / ab;
+            /* int16 block sums: [plane][nibble] (the nibble index only for 8-bit weights) */
+            __m256i acc[4][4][2][2];
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+                for (int h = 0; h < H; h++)
+                    acc[r][h][0][0] = acc[r][h][0][1] = acc[r][h][1][0] = acc[r][h][1][1] =
+                        _mm256_setzero_si256();
+            if (W->bits == 4 && R == 1) {
+                /* one row: each half's nibbles feed its sums at once (fewer live registers) */
+                for (int64_t k = kb; k < kbe; k += 8) {
+                    __m256i x0[2], x1[2];
+#pragma GCC unroll 2
+                    for (int p = 0; p < P; p++) {
+                        const int8_t *xp = (p == 0 ? X->xh : X->xl) + m0 * K + k;
+                        x0[p] = nyb_id2_bcast(xp);
+                        x1[p] = nyb_id2_bcast(xp + 4);
+                    }
+#pragma GCC unroll 4
+                    for (int h = 0; h < H; h++) {
+                        const __m256i u = _mm256_loadu_si256(
+                            (const __m256i *)(nyb_id_unit(W, (hb0 + h) / 2, k / 8) + 32 * ((hb0 + h) % 2)));
+                        const __m256i lo = _mm256_and_si256(u, mask),
+                                      hi = _mm256_and_si256(_mm256_srli_epi16(u, 4), mask);
+#pragma GCC unroll 2
+                        for (int p = 0; p < P; p++)
+                            acc[0][h][p][0] = _mm256_add_epi16(
+                                acc[0][h][p][0],
+                                _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0[p]),
+                                                 _mm256_maddubs_epi16(hi, x1[p])));
+                    }
+                }
+            } else if (W->bits == 4) {
+                for (int64_t k = kb; k < kbe; k += 8) {
+                    __m256i lo[4], hi[4];
+#pragma GCC unroll 4
+                    for (int h = 0; h < H; h++) {
+                        const __m256i u = _mm256_loadu_si256(
+                            (const __m256i *)(nyb_id_unit(W, (hb0 + h) / 2, k / 8) + 32 * ((hb0 + h) % 2)));
+                        lo[h] = _mm256_and_si256(u, mask);
+                        hi[h] = _mm256_and_si256(_mm256_srli_epi16(u, 4), mask);
+                    }
+#pragma GCC unroll 4
+                    for (int r = 0; r < R; r++)
+#pragma GCC unroll 2
+                        for (int p = 0; p < P; p++) {
+                            const int8_t *xp = (p == 0 ? X->xh : X->xl) + (m0 + r) * K + k;
+                            const __m256i x0 = nyb_id2_bcast(xp), x1 = nyb_id2_bcast(xp + 4);
+#pragma GCC unroll 4
+                            for (int h = 0; h < H; h++)
+                                acc[r][h][p][0] = _mm256_add_epi16(
+                                    acc[r][h][p][0],
+                                    _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], x0),
+                                                     _mm256_maddubs_epi16(hi[h], x1)));
+                        }
+                }
+            } else {
+                for (int64_t k = kb; k < kbe; k += 4) {
+                    __m256i lo[4], hi[4];
+#pragma GCC unroll 4
+                    for (int h = 0; h < H; h++) {
+                        const __m256i u = _mm256_loadu_si256(
+                            (const __m256i *)(nyb_id_unit(W, (hb0 + h) / 2, k / 4) + 32 * ((hb0 + h) % 2)));
+                        lo[h] = _mm256_and_si256(u, mask);
+                        hi[h] = _mm256_and_si256(_mm256_srli_epi16(u, 4), mask);
+                    }
+#pragma GCC unroll 4
+                    for (int r = 0; r < R; r++)
+#pragma GCC unroll 2
+                        for (int p = 0; p < P; p++) {
+                            const __m256i x = nyb_id2_bcast(
+                                (p == 0 ? X->xh : X->xl) + (m0 + r) * K + k);
+#pragma GCC unroll 4
+                            for (int h = 0; h < H; h++) {
+                                acc[r][h][p][0] = _mm256_add_epi16(
+                                    acc[r][h][p][0], _mm256_maddubs_epi16(lo[h], x));
+                                acc[r][h][p][1] = _mm256_add_epi16(
+                                    acc[r][h][p][1], _mm256_maddubs_epi16(hi[h], x));
+                            }
+                        }
+                }
+            }
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                const __m256i os = _mm256_set1_epi32(X->osum[(m0 + r) * NA + b]);
+                const __m256 a = _mm256_set1_ps(X->a[(m0 + r) * NA + b]);
+#pragma GCC unroll 4
+                for (int h = 0; h < H; h++) {
+                    __m256i S[2];
+#pragma GCC unroll 2
+                    for (int p = 0; p < P; p++) {
+                        S[p] = _mm256_madd_epi16(acc[r][h][p][0], one);
+                        if (W->bits == 8)
+                            S[p] = _mm256_add_epi32(
+                                S[p], _mm256_madd_epi16(acc[r][h][p][1], sixteen));
+                    }
+                    __m256i D = P == 1 ? S[0] : _mm256_add_epi32(_mm256_slli_epi32(S[0], 8), S[1]);
+                    D = _mm256_sub_epi32(D, os);
+                    d[r][h] = _mm256_fmadd_ps(a, _mm256_cvtepi32_ps(D), d[r][h]);
+                }
+            }
+        }
+#pragma GCC unroll 4
+        for (int h = 0; h < H; h++) {
+            const int64_t gi = g * W->Np + 8 * (hb0 + h);
+            const __m256 s = W->s16 ? _mm256_cvtph_ps(_mm_loadu_si128(
+                                          (const __m128i *)((const uint16_t *)W->s + gi)))
+                                    : _mm256_loadu_ps((const float *)W->s + gi);
+            __m256 extra = _mm256_setzero_ps();
+            if (W->mode == NYB_QG_ZERO)
+                extra = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                    _mm_loadl_epi64((const __m128i *)(W->zq + gi))));
+            else if (W->mode == NYB_QG_MIN) extra = _mm256_loadu_ps(W->mo + gi);
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                float *tp = yt + (r * H + h) * 8;
+                const __m256 sxg = _mm256_set1_ps(X->sx[(m0 + r) * W->G + g]);
+                __m256 t = _mm256_loadu_ps(tp);
+                if (W->mode == NYB_QG_ZERO)
+                    t = _mm256_fmadd_ps(s, _mm256_fnmadd_ps(extra, sxg, d[r][h]), t);
+                else if (W->mode == NYB_QG_MIN)
+                    t = _mm256_fmadd_ps(s, d[r][h], _mm256_fmadd_ps(extra, sxg, t));
+                else t = _mm256_fmadd_ps(s, d[r][h], t);
+                _mm256_storeu_ps(tp, t);
+            }
+        }
+    }
+}
+
+NYB_ID2_INLINE void nyb_id2_run(const nyb_qw *W, const nyb_idx *X, int64_t m0, int64_t hb0,
+                                float *y, int64_t ldy, const float *bias, int acc, const int R,
+                                const int H, const int P) {
+    float yt[4 * 4 * 8];
+    memset(yt, 0, sizeof(float) * (size_t)(R * H * 8));
+    nyb_id2_tile(W, X, m0, hb0, yt, R, H, P);
+    for (int r = 0; r < R; r++)
+        for (int h = 0; h < H; h++) {
+            const int64_t n0 = 8 * (hb0 + h);
+            if (n0 >= W->N) continue;
+            const float *t = yt + (r * H + h) * 8;
+            float *out = y + (m0 + r) * ldy + n0;
+            if (W->N - n0 >= 8) {
+                __m256 v = _mm256_loadu_ps(t);
+                if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + n0));
+                if (acc) v = _mm256_add_ps(v, _mm256_loadu_ps(out));
+                _mm256_storeu_ps(out, v);
+            } else {
+                for (int64_t c = 0; c < W->N - n0; c++) {
+                    float v = t[c];
+                    if (bias) v = v + bias[n0 + c];
+                    if (acc) v = v + out[c];
+                    out[c] = v;
+                }
+            }
+        }
+}
+
+static NYB_ID2_TARGET void nyb_id2_step(const nyb_qw *W, const nyb_idx *X, int64_t m,
+                                        int64_t hb, float *y, int64_t ldy, const float *bias,
+                                        int acc, int R) {
+#define NYB_ID2_CASE(RR)                                                                  \
+    if (R == RR) {                                                                        \
+        if (X->planes == 1) nyb_id2_run(W, X, m, hb, y, ldy, bias, acc, RR, 2, 1);        \
+        else nyb_id2_run(W, X, m, hb, y, ldy, bias, acc, RR, 2, 2);                       \
+        return;                                                                           \
+    }
+    NYB_ID2_CASE(1) NYB_ID2_CASE(2) NYB_ID2_CASE(4)
+#undef NYB_ID2_CASE
+}
+
+/* Column blocks jb_lo .. jb_hi of all M rows, one 16-column block (two halves) a tile by 1, 2
+ * or 4 rows (nyb_qg_tile_rows; at most 2 for 8-bit weights with two activation planes, which
+ * keep four int16 sums per row and half).  Measured on Zen 3 (SmolLM2-sized weights, 1, 4 and
+ * 16 rows): two halves beat four for one row and one half for four rows; 8-bit int16 runs
+ * ~10% faster at two rows than at four. */
+static NYB_ID2_TARGET void nyb_id_avx2(const nyb_qw *W, const nyb_idx *X, int64_t M,
+                                       int64_t jb_lo, int64_t jb_hi, float *y, int64_t ldy,
+                                       const float *bias, int acc) {
+    const int cap = W->bits == 8 && X->planes == 2 ? 2 : 4;
+    const int rows_per = nyb_qg_tile_rows(M) > cap ? cap : nyb_qg_tile_rows(M);
+    for (int64_t mb = 0; mb < M; mb += NYB_QG_MB) {
+        const int64_t mend = M - mb < NYB_QG_MB ? M : mb + NYB_QG_MB;
+        for (int64_t jb = jb_lo; jb < jb_hi; jb++)
+            for (int64_t m = mb; m < mend;) {
+                const int R = mend - m >= rows_per ? rows_per : (mend - m >= 2 ? 2 : 1);
+                nyb_id2_step(W, X, m, 2 * jb, y, ldy, bias, acc, R);
+                m += R;
+            }
+    }
+}
+#endif
+
+#ifdef NYB_X86_BF16
 typedef struct {
     const nyb_qw *W;
     const nyb_idx *X;
@@ -370,6 +606,11 @@ typedef struct {
 static void nyb_id_range(void *ctx, int64_t lo, int64_t hi) {
     const nyb_id_job *j = (const nyb_id_job *)ctx;
     nyb_id_avx512(j->W, j->X, j->M, lo, hi, j->y, j->ldy, j->bias, j->acc);
+}
+
+static void nyb_id2_range(void *ctx, int64_t lo, int64_t hi) {
+    const nyb_id_job *j = (const nyb_id_job *)ctx;
+    nyb_id_avx2(j->W, j->X, j->M, lo, hi, j->y, j->ldy, j->bias, j->acc);
 }
 #endif
 
@@ -393,12 +634,12 @@ static int nyb_idgemm(const nyb_qw *W, const float *x, int64_t M, int64_t ldx, f
     X.sx = X.a + M * X.NA;
     nyb_id_quantize(W, x, M, ldx, &X);
 #ifdef NYB_X86_BF16
-    if (!portable && nyb_id_cpu_vnni()) {
+    if (!portable && (nyb_id_cpu_vnni() || nyb_id_cpu_avx2())) {
         /* column blocks over the pool's threads (pool.h), a register tile's worth a chunk */
         nyb_id_job job = {W, &X, M, y, ldy, bias, acc};
         const int64_t Nb = W->Np / NYB_QG_COLS;
-        nyb_parallel_for(Nb, nyb_pool_chunk(Nb, nyb_qg_tile_cols(M)), nyb_id_range,
-                         &job);
+        nyb_parallel_for(Nb, nyb_pool_chunk(Nb, nyb_qg_tile_cols(M)),
+                         nyb_id_cpu_vnni() ? nyb_id_range : nyb_id2_range, &job);
     } else
 #endif
         nyb_id_portable(W, &X, M, y, ldy, bias, acc);

@@ -30,6 +30,15 @@ def have_vnni() -> bool:
     return bool(nyb_id_cpu_vnni())
 
 
+def idot_fast_path() -> str | None:
+    """Which fast loop the integer-dot kernel (``idot.h``) runs on this CPU: ``"AVX-512
+    VNNI"`` (VPDPBUSD), ``"AVX2"`` (VPMADDUBSW + VPMADDWD, for CPUs without VNNI) or None
+    (the portable C loop). All three give the same output bit for bit."""
+    if nyb_id_cpu_vnni():
+        return "AVX-512 VNNI"
+    return "AVX2" if nyb_id_cpu_avx2() else None
+
+
 def qgemm(const float[:, :] x, object packed, float[:, :] out, const float[::1] bias=None,
           bint accumulate=False, bint portable=False):
     """``out[:, :N] = (out if accumulate else 0) + x @ W^T + bias``.

@@ -160,7 +160,7 @@ def pack(iw: IntWeight, scales: torch.Tensor, mins: torch.Tensor | None = None,
     s = _scales(scales, np_)
     perm_np = None if perm is None else perm.to(torch.int64).contiguous().numpy()
     if planes:
-        where = "AVX-512 VNNI" if cpu_qgemm.have_vnni() else "portable C"
+        where = cpu_qgemm.idot_fast_path() or "portable C"
         return (QPacked(iw.bits, mode, k, n, gs, packed, s, zq, mo, perm_np, planes),
                 f"int{iw.bits} integer-dot kernel ({where}, {activations} activations per "
                 f"block, any number of rows)")

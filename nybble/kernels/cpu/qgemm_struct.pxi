@@ -15,6 +15,7 @@ cdef extern from "qgemm.h" nogil:
                   int64_t ldy, const float *bias, int acc, int portable)
     int nyb_qg_cpu_bf16()
     int nyb_id_cpu_vnni()
+    int nyb_id_cpu_avx2()
 
 
 cdef int _fill_qw(nyb_qw *W, object p) except -1:

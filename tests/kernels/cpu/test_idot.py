@@ -1,9 +1,11 @@
-"""The CPU's integer-dot quantized GEMM (nybble/kernels/cpu/idot.h, AVX-512 VNNI) against a
+"""The CPU's integer-dot quantized GEMM (nybble/kernels/cpu/idot.h: AVX-512 VNNI, or AVX2's
+VPMADDUBSW where the CPU has no VNNI) against a
 float64 oracle with the activation quantization modelled: y64 = xq @ W^T in float64, xq the
 per-block 8-bit / 15-bit activations as the format rule in the header defines them
 (cpu_qgemm_pack.quantize_activations), W the exact weight; |y - y64| within the documented
-float32 bound (cpu_qgemm_pack.idot_error_bound); the AVX-512 path equal to the portable C
-loop bit for bit; the packed bytes as the layout comment says."""
+float32 bound (cpu_qgemm_pack.idot_error_bound); the SIMD path this CPU runs equal to the
+portable C loop bit for bit, also where AVX2's int16 lanes reach their documented extreme; the
+packed bytes as the layout comment says."""
 from __future__ import annotations
 
 import numpy as np
@@ -22,7 +24,8 @@ KINDS = {"int8": 1, "int16": 2}
 
 
 def _vnni() -> bool:
-    return cpu_qgemm.have_vnni()
+    """True when this CPU runs a SIMD loop of the integer-dot kernel (VNNI or AVX2)."""
+    return cpu_qgemm.idot_fast_path() is not None
 
 
 @pytest.mark.parametrize("bits,k,n,gs", CASES)
@@ -132,3 +135,30 @@ def test_vnni_packing_follows_the_documented_layout() -> None:
                 for i in range(4):
                     want = int(q8[4 * u + i, 16 * jb + c])
                     assert int(b8[_unit(jb, u, 2, 10) + 4 * c + i]) == want
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_extreme_products_stay_exact(bits, kind, sign) -> None:
+    """Every weight at its largest integer (15 / 255) and activations whose quantized bytes are
+    the extremes: -128 in every low plane byte (int16: v = 256 h - 128), +-127 (int8). AVX2
+    sums 16 such products per int16 lane (2 x 15 x 128 x 8 = 30720 < 2^15); the result must
+    still equal the portable loop and the float64 oracle."""
+    k, n, gs = 64, 32, 32
+    q = torch.full((k, n), 2 ** bits - 1, dtype=torch.int32)
+    iw = IntWeight(q, torch.full((k // gs, n), 2 ** (bits - 1), dtype=torch.int32), None, gs,
+                   bits)
+    scales = torch.full((k // gs, n), 0.01).half()
+    packed, _ = cpu_qgemm_pack.pack(iw, scales, None, activations=kind)
+    x = torch.full((3, k), sign * -16256.0 / 16383.0)  # int16: v = -16256 = 256 * -63 - 128
+    x[:, 0] = sign                                        # the block's largest: v = +-16383
+    x[1] = sign * -1.0                                    # int8: every v = +-127
+    x[2, 32:] = 0.0                                       # an all-zero block
+    xq = cpu_qgemm_pack.quantize_activations(x, gs, KINDS[kind])
+    y64 = xq @ _exact(iw, scales, None).t()
+    y_port = cpu_qgemm_pack.linear(x, packed, None, portable=True)
+    bound = cpu_qgemm_pack.idot_error_bound(x, iw, scales, None, KINDS[kind]) + 1e-6
+    assert bool(((y_port.double() - y64).abs() <= bound).all())
+    if _vnni():
+        assert torch.equal(cpu_qgemm_pack.linear(x, packed, None), y_port)
