@@ -23,7 +23,7 @@ DEFAULT_MODEL = os.path.join(os.path.dirname(__file__), "_bundled", "stories260k
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 CPU_ACTIVATION_DTYPES = ("auto", "int16", "int8", "bfloat16", "float32")
 """What ``ModelConfig.cpu_activation_dtype`` (``--cpu-activation-dtype``) may be."""
-CPU_PREFILL_GEMMS = ("auto", "bfloat16", "kernel")
+CPU_PREFILL_GEMMS = ("auto", "bfloat16", "float32", "kernel")
 """What ``ModelConfig.cpu_prefill_gemm`` (``--cpu-prefill-gemm``) may be."""
 _ATTN_BACKENDS = ("auto", "cpu", "torch", "triton")
 _QUANT = (None, "awq", "gptq", "compressed-tensors", "gguf")
@@ -182,7 +182,8 @@ class ModelConfig:
         served_model_name: name reported by the API; default: the folder name.
         cpu_activation_dtype: what the CPU's quantized matmuls turn activations into:
             ``int16`` (15-bit integers per block of 32 inputs, exact integer dot products
-            with AVX-512 VNNI: finer than bfloat16 and the fastest near-exact path),
+            with AVX-512 VNNI, or AVX2's VPMADDUBSW: finer than bfloat16 and the fastest
+            near-exact path at one sequence),
             ``int8`` (8-bit per block of 32, llama.cpp's Q8_0 activations: fastest at
             large batches, coarsest), ``bfloat16`` (AVX-512 BF16 dot products), ``float32``
             (the exact path: float32 activations, the dequantized weight's exact products),
@@ -191,9 +192,11 @@ class ModelConfig:
         cpu_prefill_gemm: how the CPU runs a quantized matmul of many rows (prefill chunks
             of at least ``qgemm_pack.PREFILL_ROWS`` tokens): ``bfloat16`` (dequantize the
             weight to bfloat16 once per call, then a bfloat16 GEMM: AMX tiles through
-            oneDNN), ``kernel`` (the decode kernel of ``cpu_activation_dtype`` for every
-            step), or ``auto`` (bfloat16 where the CPU has AMX-BF16 and the activations are
-            not the exact ``float32``, else kernel).
+            oneDNN), ``float32`` (dequantize to float32 once per call, then a float32 GEMM:
+            the exact dequantized product), ``kernel`` (the decode kernel of
+            ``cpu_activation_dtype`` for every step), or ``auto`` (bfloat16 where the CPU has
+            AMX-BF16, else float32 where the integer-dot kernel runs its AVX2 loop; kernel
+            for the exact ``float32`` activations and elsewhere).
         max_logprobs: largest ``logprobs`` / ``top_logprobs`` a request may ask for
             (vLLM's ``--max-logprobs``); the request gate also caps it at the vocabulary size.
     """

@@ -64,8 +64,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     parser.add_argument("--cpu-activation-dtype", default="auto",
                         choices=list(CPU_ACTIVATION_DTYPES),
                         help="activations of the CPU's quantized matmuls: int16 (15-bit "
-                             "integers per block of 32, AVX-512 VNNI integer dot products; "
-                             "finer than bfloat16), int8 (8-bit per block, llama.cpp's "
+                             "integers per block of 32, AVX-512 VNNI or AVX2 integer dot "
+                             "products; finer than bfloat16; on AVX2 without VNNI: faster "
+                             "single-stream decode of 4-bit models), int8 (8-bit per block, llama.cpp's "
                              "choice: fastest with many sequences, coarsest), bfloat16 "
                              "(AVX-512 BF16 dot products), float32 (exact: reproduces the "
                              "dequantized model's float32 outputs); auto: int16 with VNNI, "
@@ -73,9 +74,11 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     parser.add_argument("--cpu-prefill-gemm", default="auto", choices=list(CPU_PREFILL_GEMMS),
                         help="quantized matmuls of prefill chunks (at least 128 tokens) on "
                              "the CPU: bfloat16 (dequantize the weight to bfloat16, then a "
-                             "bfloat16 GEMM: AMX tiles through oneDNN), kernel (the "
+                             "bfloat16 GEMM: AMX tiles through oneDNN), float32 (dequantize "
+                             "to float32, then a float32 GEMM: exact), kernel (the "
                              "--cpu-activation-dtype kernel for every step); auto: bfloat16 "
-                             "where the CPU has AMX-BF16 and the activations are not float32")
+                             "with AMX-BF16, else float32 where the integer-dot kernel runs "
+                             "its AVX2 loop; kernel when the activations are float32")
     parser.add_argument("--max-logprobs", type=int, default=20,
                         help="largest logprobs / top_logprobs a request may ask for")
     parser.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32],

@@ -17,7 +17,8 @@ keep the torch path.
 A quantized model runs fused every step its torch path would run on the same kernels: every
 step for bf16-dot weights, steps of up to :data:`~nybble.kernels.cpu.weight_only.KERNEL_ROWS`
 tokens for weight-only ones (longer steps take the reference dequantization there), and,
-where the bfloat16 prefill GEMM is on (``CpuPathLog.prefill_rows``: CPUs with AMX-BF16),
+where the prefill GEMM is on (``CpuPathLog.prefill_rows``: CPUs with AMX-BF16, or AVX2 ones
+running the integer-dot kernel),
 steps of fewer tokens than it starts at (longer ones take the torch path and that GEMM); the
 projections are then the same kernel calls on either path, so the fused step only removes the
 torch ops between them. A dense model that is small (linear weights of at most
@@ -170,9 +171,14 @@ class FusedCpuDecode:
         decoder = CpuDecoder(embed, _array(norm), _array(model.rotary_emb.cos_sin), layers,
                              attn0.num_heads, attn0.num_kv_heads, eps.pop(), attn0.scale)
         if weight_only:
-            return (cls(decoder, model.config.hidden_size, kv_caches, False, KERNEL_ROWS),
-                    f"fused C step (steps of up to {KERNEL_ROWS} tokens: weight-only quantized "
-                    f"projections)")
+            defer = _prefill_rows(model) if integer else None
+            return (cls(decoder, model.config.hidden_size, kv_caches, False, KERNEL_ROWS,
+                        defer_from=defer),
+                    f"fused C step (steps of up to {KERNEL_ROWS} tokens: weight-only "
+                    f"{'and integer-dot ' if integer else ''}quantized projections"
+                    + ("" if defer is None else
+                                      f"; from {defer} tokens the {_prefill_dtype(model)} "
+                                      f"prefill GEMM") + ")")
         if quantized:
             kind = "integer" if integer else "bf16"
             defer = _prefill_rows(model)
@@ -180,7 +186,8 @@ class FusedCpuDecode:
                 return (cls(decoder, model.config.hidden_size, kv_caches, True,
                             defer_from=defer),
                         f"fused C step (steps of fewer than {defer} tokens: {kind}-dot "
-                        f"quantized projections; longer ones take the bfloat16 prefill GEMM)")
+                        f"quantized projections; longer ones take the "
+                        f"{_prefill_dtype(model)} prefill GEMM)")
             return (cls(decoder, model.config.hidden_size, kv_caches, True),
                     f"fused C step (every step: {kind}-dot quantized projections)")
         linear_bytes = sum(a.nbytes for ly in layers for a in ly[1:10] if a is not None)
@@ -223,8 +230,13 @@ class FusedCpuDecode:
         return out
 
 
+def _prefill_dtype(model: CausalLMParts) -> str:
+    """The quantized layers' ``CpuPathLog.prefill_dtype``."""
+    return next(m.path_log.prefill_dtype for m in model.modules() if hasattr(m, "path_log"))
+
+
 def _prefill_rows(model: CausalLMParts) -> int | None:
-    """The quantized layers' ``CpuPathLog.prefill_rows`` (None: no bfloat16 prefill GEMM)."""
+    """The quantized layers' ``CpuPathLog.prefill_rows`` (None: no prefill GEMM)."""
     log = next((m.path_log for m in model.modules() if hasattr(m, "path_log")), None)
     return None if log is None else log.prefill_rows
 

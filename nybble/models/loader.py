@@ -21,7 +21,7 @@ from safetensors import safe_open
 from nybble.config import ModelConfig, check_model_dir, config_folder, is_gguf, model_weight_files
 from nybble.distributed.comm import TPGroup, single_rank
 from nybble.errors import UnsupportedModelError
-from nybble.kernels.cpu.qgemm import have_bf16, have_vnni
+from nybble.kernels.cpu.qgemm import have_bf16, have_vnni, idot_fast_path
 from nybble.kernels.cpu.qgemm_pack import PREFILL_ROWS, has_amx_bf16
 from nybble.kernels.interface import AttentionBackend
 from nybble.models.hf_config import HFConfig, load_hf_config
@@ -33,6 +33,7 @@ from nybble.models.shape import ModelShape
 from nybble.models.tp_layout import TPLayout
 from nybble.models.tp_shard import G_IDX_NAMES, is_act_order, read_shard, read_vocab_rows
 from nybble.quant.config import load_quant_config
+from nybble.quant.linear import CpuPathLog
 
 logger = logging.getLogger(__name__)
 
@@ -115,23 +116,52 @@ def _module_bytes(module: torch.nn.Module) -> int:
 def cpu_activations(choice: str) -> str:
     """``ModelConfig.cpu_activation_dtype`` resolved: ``auto`` is ``int16`` where the CPU has
     AVX-512 VNNI (the integer-dot kernel's instruction), else ``bfloat16`` where it has
-    AVX-512 BF16, else ``float32``. Measured on SmolLM2-135M (benchmarks/README.md): int16 is
-    both the faster (about 2x bf16's matmul speed at one row) and the finer of the two."""
+    AVX-512 BF16, else ``float32``. Measured on SmolLM2-135M (benchmarks/README.md): with VNNI
+    int16 is both the faster (about 2x bf16's matmul speed at one row) and the finer of the
+    two. On AVX2 alone (no VNNI) int16 is opt-in: its 4-bit loop decodes one sequence
+    ~1.2-1.4x faster than the exact float32 kernel but 16-64 sequences ~10% slower, and its
+    8-bit loop (each byte split into two nibbles) is slower at every batch size, so the exact
+    path stays the default there."""
     if choice == "auto":
         return "int16" if have_vnni() else "bfloat16" if have_bf16() else "float32"
     return choice
 
 
-def cpu_prefill_rows(choice: str, activations: str) -> int | None:
-    """``ModelConfig.cpu_prefill_gemm`` resolved to ``CpuPathLog.prefill_rows``: rows from
-    which a packed quantized matmul takes the bfloat16 GEMM (None: never). ``auto`` takes it
-    where the CPU has AMX-BF16 and ``activations`` are not the exact ``float32``: measured on
-    SmolLM2-135M (benchmarks/README.md), 1,450-token prefill ~2.5x faster, +0.13% held-out
-    perplexity."""
-    if choice == "kernel" or (choice == "auto" and (activations == "float32"
-                                                    or not has_amx_bf16())):
+def cpu_prefill_gemm(choice: str, activations: str) -> str | None:
+    """``ModelConfig.cpu_prefill_gemm`` resolved to the GEMM of many-row quantized matmuls
+    (``CpuPathLog.prefill_dtype``: ``bfloat16`` / ``float32``), or None (the decode kernel for
+    every step). ``auto``: none for the exact ``float32`` activations (their own path is
+    already a float32 GEMM beyond 256 rows); ``bfloat16`` where the CPU has AMX-BF16 (measured
+    on SmolLM2-135M: 1,450-token prefill ~2.5x faster, +0.13% held-out perplexity);
+    ``float32`` where the integer-dot kernel runs its AVX2 loop (prefill ~1.4x faster, exact);
+    else none."""
+    if choice == "kernel" or (choice == "auto" and activations == "float32"):
         return None
-    return PREFILL_ROWS
+    if choice != "auto":
+        return choice
+    if has_amx_bf16():
+        return "bfloat16"
+    if activations in ("int16", "int8") and idot_fast_path() == "AVX2":
+        return "float32"
+    return None
+
+
+def cpu_prefill_rows(choice: str, activations: str) -> int | None:
+    """Rows from which a packed quantized matmul takes :func:`cpu_prefill_gemm`'s GEMM
+    (``CpuPathLog.prefill_rows``), or None (never)."""
+    return None if cpu_prefill_gemm(choice, activations) is None else PREFILL_ROWS
+
+
+def _set_activations(log: CpuPathLog, choice: str) -> None:
+    """Set ``log.activations`` from ``--cpu-activation-dtype``."""
+    log.activations = cpu_activations(choice)
+
+
+def _set_prefill(log: CpuPathLog, choice: str) -> None:
+    """Set ``log.prefill_rows`` / ``log.prefill_dtype`` from ``--cpu-prefill-gemm``."""
+    dtype = cpu_prefill_gemm(choice, log.activations)
+    log.prefill_rows = None if dtype is None else PREFILL_ROWS
+    log.prefill_dtype = dtype or "bfloat16"
 
 
 def load_model(cfg: ModelConfig, backend: AttentionBackend, device: torch.device,
@@ -155,9 +185,8 @@ def load_model(cfg: ModelConfig, backend: AttentionBackend, device: torch.device
         from nybble.models.gguf_model import open_gguf
 
         gguf = open_gguf(cfg, tp)
-        gguf.path_log.activations = cpu_activations(cfg.cpu_activation_dtype)
-        gguf.path_log.prefill_rows = cpu_prefill_rows(cfg.cpu_prefill_gemm,
-                                                      gguf.path_log.activations)
+        _set_activations(gguf.path_log, cfg.cpu_activation_dtype)
+        _set_prefill(gguf.path_log, cfg.cpu_prefill_gemm)
         quant = None
     else:
         if cfg.quantization == "gguf":
@@ -165,9 +194,8 @@ def load_model(cfg: ModelConfig, backend: AttentionBackend, device: torch.device
                                         f"{cfg.model!r}")
         quant = load_quant_config(cfg.model, raw_config, cfg.quantization)
         if quant is not None:
-            quant.path_log.activations = cpu_activations(cfg.cpu_activation_dtype)
-            quant.path_log.prefill_rows = cpu_prefill_rows(cfg.cpu_prefill_gemm,
-                                                           quant.path_log.activations)
+            _set_activations(quant.path_log, cfg.cpu_activation_dtype)
+            _set_prefill(quant.path_log, cfg.cpu_prefill_gemm)
     dtype = resolve_dtype(cfg.dtype, hf_config, device)
     # NOTE: the model's own limit; sliding-window layers attend inside their window
     limit = int(getattr(hf_config, "max_position_embeddings", 2048))

@@ -20,8 +20,9 @@ chosen by the model's ``cpu_activation_dtype`` (:class:`CpuPathLog` carries it):
   (:mod:`nybble.kernels.cpu.qgemm_pack`; 0.5 / 1 byte per weight plus float16 scales) for
   calls of any number of rows, decode and prefill;
 * calls of at least ``CpuPathLog.prefill_rows`` rows on a packed weight (prefill chunks;
-  by default only where the CPU has AMX-BF16): the weight dequantized to bfloat16 once per
-  call and torch's bfloat16 GEMM (:func:`~nybble.kernels.cpu.qgemm_pack.prefill_linear`);
+  by default where the CPU has AMX-BF16, or runs the integer-dot kernel's AVX2 loop): the
+  weight dequantized once per call to bfloat16 (AMX) or float32 (AVX2) and one torch GEMM
+  (:func:`~nybble.kernels.cpu.qgemm_pack.prefill_linear`);
 * ``float32`` (exact): the float32 weight-only kernel (:mod:`nybble.kernels.cpu.weight_only`)
   for calls of up to ``KERNEL_ROWS`` tokens, the reference dequantization beyond.
 
@@ -70,15 +71,17 @@ class CpuPathLog:
             kernel) or ``float32`` (the exact path); set
             by the loader from ``ModelConfig.cpu_activation_dtype`` before the weights load.
         prefill_rows: calls of at least this many rows on a packed weight take
-            :func:`~nybble.kernels.cpu.qgemm_pack.prefill_linear` (dequantize to bfloat16 +
-            bfloat16 GEMM); None: never. Set by the loader from
-            ``ModelConfig.cpu_prefill_gemm``.
+            :func:`~nybble.kernels.cpu.qgemm_pack.prefill_linear` (dequantize once + one
+            GEMM); None: never. prefill_dtype: that GEMM's ``bfloat16`` or ``float32``. Set
+            by the loader from ``ModelConfig.cpu_prefill_gemm``.
     """
 
-    def __init__(self, activations: str = "float32", prefill_rows: int | None = None) -> None:
+    def __init__(self, activations: str = "float32", prefill_rows: int | None = None,
+                 prefill_dtype: str = "bfloat16") -> None:
         self._seen: set[tuple[str, str]] = set()
         self.activations = activations
         self.prefill_rows = prefill_rows
+        self.prefill_dtype = prefill_dtype
 
     def note(self, layer: str, choice: str) -> None:
         """Log ``"<layer>: CPU matmul <choice>"`` the first time this pair is seen."""
@@ -211,7 +214,8 @@ class QuantLinear(nn.Module):
         if self.cpu_packed is not None and x2.device.type == "cpu" and x2.dtype != torch.float64:
             rows = self.path_log.prefill_rows
             if rows is not None and x2.shape[0] >= rows:
-                y = cpu_qgemm_pack.prefill_linear(x2, self.cpu_packed, self.bias)
+                y = cpu_qgemm_pack.prefill_linear(x2, self.cpu_packed, self.bias,
+                                                  self.path_log.prefill_dtype)
             else:
                 y = cpu_qgemm_pack.linear(x2, self.cpu_packed, self.bias)
         elif (self.cpu_weight is not None and x2.device.type == "cpu"

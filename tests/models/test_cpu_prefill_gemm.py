@@ -13,7 +13,8 @@ from nybble.engine_args import add_engine_args, engine_config_from_args
 from nybble.kernels.cpu import qgemm_pack
 from nybble.kernels.cpu.backend import CpuAttentionBackend
 from nybble.kernels.interface import AttentionMetadata
-from nybble.models.loader import cpu_prefill_rows, load_model
+from nybble.kernels.cpu import qgemm as cpu_qgemm
+from nybble.models.loader import cpu_prefill_gemm, cpu_prefill_rows, load_model
 
 from .test_cpu_fused_quant import _path
 
@@ -25,8 +26,14 @@ def test_the_choice_resolves_by_cpu_and_activations() -> None:
     rows = qgemm_pack.PREFILL_ROWS
     assert cpu_prefill_rows("kernel", "int16") is None
     assert cpu_prefill_rows("bfloat16", "int16") == rows
+    assert cpu_prefill_gemm("float32", "int16") == "float32"
     assert cpu_prefill_rows("auto", "float32") is None        # the exact path stays exact
-    assert cpu_prefill_rows("auto", "int16") == (rows if qgemm_pack.has_amx_bf16() else None)
+    amx, avx2 = qgemm_pack.has_amx_bf16(), cpu_qgemm.idot_fast_path() == "AVX2"
+    auto = "bfloat16" if amx else "float32" if avx2 else None
+    assert cpu_prefill_gemm("auto", "int16") == auto
+    assert cpu_prefill_gemm("auto", "int8") == auto
+    assert cpu_prefill_gemm("auto", "bfloat16") == ("bfloat16" if amx else None)
+    assert cpu_prefill_rows("auto", "int16") == (rows if auto else None)
     with pytest.raises(ValueError, match="cpu_prefill_gemm"):
         ModelConfig(cpu_prefill_gemm="amx")
     import argparse
@@ -60,6 +67,36 @@ def _prompt_meta(vocab: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetad
 
 
 @pytest.mark.parametrize("name", ["stories3m-Q4_0.gguf", "tiny-llama-gptq-4bit-g32-actorder"])
+def test_long_prefill_takes_the_float32_gemm_exactly(name, monkeypatch) -> None:
+    """``--cpu-prefill-gemm float32``: a long step leaves the fused C step and its packed layers
+    multiply by the float32 dequantized weight; the result is the exact path's (float32
+    activations through the weight-only kernel / reference) within float32 summation order,
+    far closer than the int16 kernel's activation rounding."""
+    real = qgemm_pack.prefill_linear
+    calls = []
+    monkeypatch.setattr(qgemm_pack, "prefill_linear",
+                        lambda *a: calls.append((a[0].shape[0], a[3])) or real(*a))
+    model, caches = _model(name, "float32")
+    why = model.enable_fused_cpu_decode(caches)
+    assert "float32 prefill GEMM" in why, why
+    ids, pos, meta = _prompt_meta(model.config.vocab_size)
+    assert model.fused_decode(ids, pos, caches, meta) is None    # deferred to the torch path
+    with torch.no_grad():
+        hidden = model(ids, pos, caches, meta)
+    assert calls and all(c == (TOKENS, "float32") for c in calls)
+    cfg = ModelConfig(model=_path(name), dtype="float32", max_model_len=256, device="cpu",
+                      cpu_activation_dtype="float32")
+    exact = load_model(cfg, CpuAttentionBackend(), torch.device("cpu")).model
+    ex_caches = [torch.zeros_like(c) for c in caches]
+    with torch.no_grad():
+        h_exact = exact(ids, pos, ex_caches, meta)
+    scale = float(h_exact.abs().max())
+    assert float((hidden - h_exact).abs().max()) < 1e-4 * scale
+    for a, b in zip(caches, ex_caches):
+        assert float((a - b).abs().max()) < 1e-4 * float(b.abs().max()) + 1e-6
+
+
+@pytest.mark.parametrize("name", ["stories3m-Q4_0.gguf", "tiny-llama-gptq-4bit-g32-actorder"])
 def test_long_prefill_takes_the_bf16_gemm_within_its_rounding(name, monkeypatch) -> None:
     results = {}
     real = qgemm_pack.prefill_linear
@@ -88,3 +125,15 @@ def test_long_prefill_takes_the_bf16_gemm_within_its_rounding(name, monkeypatch)
     assert not torch.equal(h_b, h_k)         # the other GEMM really ran
     for a, b in zip(c_b, c_k):
         assert float((a - b).abs().max()) < 0.08 * float(b.abs().max()) + 1e-6
+
+
+def test_auto_activations_follow_the_cpu() -> None:
+    """``--cpu-activation-dtype auto``: int16 with VNNI, bfloat16 with AVX-512 BF16, else the
+    exact float32 (also on AVX2, where int16 is opt-in); other choices are taken as given."""
+    from nybble.models.loader import cpu_activations
+
+    vnni = cpu_qgemm.have_vnni()
+    assert cpu_activations("auto") == ("int16" if vnni else "bfloat16" if cpu_qgemm.have_bf16()
+                                       else "float32")
+    for choice in ("int16", "int8", "float32", "bfloat16"):
+        assert cpu_activations(choice) == choice

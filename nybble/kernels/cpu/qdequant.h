@@ -1,4 +1,5 @@
-/* A packed 4/8-bit weight (qgemm.h / idot.h layouts) dequantized to bfloat16, for prefill:
+/* A packed 4/8-bit weight (qgemm.h / idot.h layouts) dequantized to bfloat16 (or float32,
+ * nyb_qdequant_f32: the same values unrounded, for CPUs without a fast bf16 GEMM), for prefill:
  * out[n, perm ? perm[k] : k] = bf16(W[n, k]) with W[n, k] the value the GEMM kernels multiply
  * by (s q, s (q - zq) or s q + mo, float32, then rounded to nearest even), row-major [N, K]
  * with row stride ldo, i.e. torch's Linear weight layout in the original input order (act
@@ -28,9 +29,15 @@ static inline float nyb_qd_value(const nyb_qw *W, int64_t gi, float s, int u) {
 
 typedef struct {
     const nyb_qw *W;
-    uint16_t *out;
+    void *out;              /* uint16_t bf16 bits (f32 = 0) or float (f32 = 1) */
     int64_t ldo;
+    int f32;
 } nyb_qd_job;
+
+static inline void nyb_qd_put(const nyb_qd_job *j, int64_t n, int64_t k, float v) {
+    if (j->f32) ((float *)j->out)[n * j->ldo + k] = v;
+    else ((uint16_t *)j->out)[n * j->ldo + k] = nyb_bf16_bits(v);
+}
 
 /* Column blocks lo .. hi. */
 static void nyb_qd_range(void *ctx, int64_t lo, int64_t hi) {
@@ -41,13 +48,12 @@ static void nyb_qd_range(void *ctx, int64_t lo, int64_t hi) {
         for (int c = 0; c < NYB_QG_COLS; c++) {
             const int64_t n = jb * NYB_QG_COLS + c;
             if (n >= W->N) break;
-            uint16_t *row = j->out + n * j->ldo;
             if (!W->xq) {            /* bf16-dot layout: value by value */
                 for (int64_t k = 0; k < K; k++) {
                     const int64_t gi = (k / W->group) * W->Np + n;
                     const int u = nyb_qg_q(W, k, n) + (1 << (W->bits - 1));
-                    row[W->perm ? W->perm[k] : k] =
-                        nyb_bf16_bits(nyb_qd_value(W, gi, nyb_qg_scale(W, gi), u));
+                    nyb_qd_put(j, n, W->perm ? W->perm[k] : k,
+                               nyb_qd_value(W, gi, nyb_qg_scale(W, gi), u));
                 }
                 continue;
             }
@@ -60,7 +66,7 @@ static void nyb_qd_range(void *ctx, int64_t lo, int64_t hi) {
                 for (int i = 0; i < rows; i++) {
                     const int v = W->bits == 4 ? (i < 4 ? b[i] & 0xf : b[i - 4] >> 4) : b[i];
                     const int64_t k = k0 + i;
-                    row[W->perm ? W->perm[k] : k] = nyb_bf16_bits(nyb_qd_value(W, gi, s, v));
+                    nyb_qd_put(j, n, W->perm ? W->perm[k] : k, nyb_qd_value(W, gi, s, v));
                 }
             }
         }
@@ -69,7 +75,15 @@ static void nyb_qd_range(void *ctx, int64_t lo, int64_t hi) {
 
 /* out [N, K] bf16 bits (row stride ldo >= K) = the dequantized weight, original input order. */
 static void nyb_qdequant_bf16(const nyb_qw *W, uint16_t *out, int64_t ldo) {
-    nyb_qd_job job = {W, out, ldo};
+    nyb_qd_job job = {W, out, ldo, 0};
+    const int64_t Nb = (W->N + NYB_QG_COLS - 1) / NYB_QG_COLS;
+    nyb_parallel_for(Nb, nyb_pool_chunk(Nb, 4), nyb_qd_range, &job);
+}
+
+/* out [N, K] float32 (row stride ldo >= K) = the dequantized weight (the float32 values
+ * before bf16_bits' rounding), original input order. */
+static void nyb_qdequant_f32(const nyb_qw *W, float *out, int64_t ldo) {
+    nyb_qd_job job = {W, out, ldo, 1};
     const int64_t Nb = (W->N + NYB_QG_COLS - 1) / NYB_QG_COLS;
     nyb_parallel_for(Nb, nyb_pool_chunk(Nb, 4), nyb_qd_range, &job);
 }

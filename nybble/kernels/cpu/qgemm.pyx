@@ -16,6 +16,7 @@ from libc.stdint cimport uint16_t
 
 cdef extern from "qdequant.h" nogil:
     void nyb_qdequant_bf16(const nyb_qw *W, uint16_t *out, int64_t ldo)
+    void nyb_qdequant_f32(const nyb_qw *W, float *out, int64_t ldo)
 
 cnp.import_array()
 
@@ -75,6 +76,15 @@ def qgemm(const float[:, :] x, object packed, float[:, :] out, const float[::1] 
         raise MemoryError("cpu_qgemm: no memory for the rounded or quantized activations")
 
 
+cdef int _fill_for_dequant(nyb_qw *W, object packed, Py_ssize_t rows,
+                           Py_ssize_t cols) except -1:
+    """Point ``W`` at ``packed``; raise ValueError unless the output is ``[N, K]``."""
+    _fill_qw(W, packed)
+    if rows != W.N or cols != W.K:
+        raise ValueError(f"out must be [{W.N}, {W.K}], got [{rows}, {cols}]")
+    return 0
+
+
 def dequant_bf16(object packed, uint16_t[:, ::1] out):
     """``out[n, k]`` = the packed weight's value ``W[n, k]`` (what :func:`qgemm` multiplies
     by: float32 ``s q``, ``s (q - zq)`` or ``s q + mo``) rounded to bfloat16 (nearest even),
@@ -88,8 +98,20 @@ def dequant_bf16(object packed, uint16_t[:, ::1] out):
         ValueError: ``out`` is not ``[N, K]``.
     """
     cdef nyb_qw W
-    _fill_qw(&W, packed)
-    if out.shape[0] != W.N or out.shape[1] != W.K:
-        raise ValueError(f"out must be [{W.N}, {W.K}], got [{out.shape[0]}, {out.shape[1]}]")
+    _fill_for_dequant(&W, packed, out.shape[0], out.shape[1])
     with nogil:
         nyb_qdequant_bf16(&W, &out[0, 0], W.K)
+
+
+def dequant_f32(object packed, float[:, ::1] out):
+    """``out[n, k]`` = the packed weight's value ``W[n, k]`` in float32 (``s q``,
+    ``s (q - zq)`` or ``s q + mo``, as :func:`dequant_bf16` before its rounding), original input
+    order (act order undone), ``[N, K]``. Column blocks run on this module's threads.
+
+    Raises:
+        ValueError: ``out`` is not ``[N, K]``.
+    """
+    cdef nyb_qw W
+    _fill_for_dequant(&W, packed, out.shape[0], out.shape[1])
+    with nogil:
+        nyb_qdequant_f32(&W, &out[0, 0], W.K)

@@ -201,7 +201,8 @@ def linear(x: torch.Tensor, w: QPacked, bias: torch.Tensor | None,
 
 
 PREFILL_ROWS = 128
-"""Rows from which :func:`prefill_linear` replaces :func:`linear` on CPUs with AMX-BF16.
+"""Rows from which :func:`prefill_linear` replaces :func:`linear` where it is on (CPUs with
+AMX-BF16: its bfloat16 GEMM; the integer-dot kernel's AVX2 loop: its float32 GEMM).
 Measured on SmolLM2-135M's projections (one thread, Sapphire Rapids class, 2026-12-03): the
 integer-dot kernel runs ~2.2 ms per row for the 30 layers; the bf16 route costs ~200 ms of
 dequantization per step plus ~0.22 ms per row, so it wins from ~100 rows."""
@@ -236,20 +237,42 @@ def dequantize_bf16(w: QPacked) -> torch.Tensor:
     return torch.from_numpy(out.view(np.int16)).view(torch.bfloat16)
 
 
-def prefill_linear(x: torch.Tensor, w: QPacked, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x [M, K] @ W^T + bias`` for many rows (prefill): the weight dequantized to bfloat16
-    once (:func:`dequantize_bf16`), then torch's bfloat16 GEMM (oneDNN; AMX tiles where the
-    CPU has them) on ``bf16(x)``, float32 sums, the output rounded to bfloat16 and returned
-    as ``[M, N]`` in ``x.dtype``. Against :func:`linear` this adds the weight's and the
-    output's bfloat16 rounding (relative ``2^-9`` each); its cost in held-out perplexity is
-    measured in ``benchmarks/cpu_activation_ppl.py`` (benchmarks/README.md).
+def dequantize_f32(w: QPacked) -> torch.Tensor:
+    """The packed weight as float32 ``[N, K]`` in the original input order: each value
+    exactly what :func:`linear` multiplies by (``qdequant.h``)."""
+    out = torch.empty(w.out_features, w.in_features, dtype=torch.float32)
+    cpu_qgemm.dequant_f32(w, out.numpy())
+    return out
+
+
+PREFILL_DTYPES = ("bfloat16", "float32")
+"""The GEMMs :func:`prefill_linear` can run."""
+
+
+def prefill_linear(x: torch.Tensor, w: QPacked, bias: torch.Tensor | None,
+                   dtype: str = "bfloat16") -> torch.Tensor:
+    """``x [M, K] @ W^T + bias`` for many rows (prefill): the weight dequantized once per call,
+    then one torch GEMM; returns ``[M, N]`` in ``x.dtype``.
+
+    ``dtype`` ``bfloat16``: :func:`dequantize_bf16` and torch's bfloat16 GEMM (oneDNN; AMX
+    tiles where the CPU has them) on ``bf16(x)``, float32 sums, the output rounded to bfloat16:
+    against :func:`linear` this adds the weight's and the output's bfloat16 rounding (relative
+    ``2^-9`` each); its perplexity cost is in ``benchmarks/README.md``. ``float32``:
+    :func:`dequantize_f32` and torch's float32 GEMM on ``x`` as it is: the exact dequantized
+    product (float32 sums), for CPUs whose integer-dot kernel is compute-bound at many rows
+    (AVX2: ~1.4x the kernel's prefill speed on SmolLM2-135M, benchmarks/README.md).
 
     Raises:
-        ValueError: ``x`` not ``[M, K]``.
+        ValueError: ``x`` not ``[M, K]``, or ``dtype`` not in :data:`PREFILL_DTYPES`.
     """
     if x.dim() != 2 or x.shape[1] != w.in_features:
         raise ValueError(f"x must be [M, {w.in_features}], got {list(x.shape)}")
-    y = (x.to(torch.bfloat16) @ dequantize_bf16(w).T).to(x.dtype)
+    if dtype == "bfloat16":
+        y = (x.to(torch.bfloat16) @ dequantize_bf16(w).T).to(x.dtype)
+    elif dtype == "float32":
+        y = (x.float() @ dequantize_f32(w).T).to(x.dtype)
+    else:
+        raise ValueError(f"dtype must be one of {PREFILL_DTYPES}, got {dtype!r}")
     if bias is not None:
         y += bias.to(x.dtype)
     return y

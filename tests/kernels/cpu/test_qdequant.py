@@ -71,3 +71,42 @@ def test_dequant_bf16_checks_the_output_shape() -> None:
     import numpy as np
     with pytest.raises(ValueError, match=r"out must be \[40, 64\]"):
         cpu_qgemm.dequant_bf16(packed, np.empty((40, 63), np.uint16))
+
+
+@pytest.mark.parametrize("bits,k,n,gs", CASES)
+@pytest.mark.parametrize("mode", ["sym", "zero", "min"])
+@pytest.mark.parametrize("activations", ["int16", "bfloat16"])
+def test_dequant_f32_is_the_exact_weight(bits, k, n, gs, mode, activations) -> None:
+    """float32 dequantization: ``s (q - z)`` is one float32 product of exact integers, so it
+    equals the float64 rule rounded to float32; a float minimum is stored as
+    ``s (q - o) + (m + o s)`` (two float32 roundings)."""
+    if gs % 4:
+        pytest.skip("the integer-dot layout needs groups of a multiple of 4")
+    iw, scales, mins = _weight(bits, k, n, gs, mode, k == 96, seed=k + n + bits + 1)
+    packed, why = cpu_qgemm_pack.pack(iw, scales, mins, activations=activations)
+    if packed is None:
+        pytest.skip(why)
+    got = cpu_qgemm_pack.dequantize_f32(packed)
+    assert got.dtype == torch.float32 and got.shape == (n, k)
+    exact = _exact(iw, scales, mins)
+    if mode == "min":
+        assert bool(((got.double() - exact).abs() <= 2.0 ** -22 * exact.abs().clamp(min=1.0)
+                     * 4 + 2.0 ** -30).all())
+    else:
+        assert torch.equal(got, exact.float())
+    # its rounding to bfloat16 is the bf16 dequantization
+    assert torch.equal(got.to(torch.bfloat16), cpu_qgemm_pack.dequantize_bf16(packed))
+
+
+def test_prefill_linear_float32_is_the_exact_product() -> None:
+    iw, scales, mins = _weight(4, 576, 200, 32, "zero", False, seed=7)
+    packed, _ = cpu_qgemm_pack.pack(iw, scales, mins, activations="int16")
+    x = torch.randn(150, 576, generator=torch.Generator().manual_seed(3))
+    bias = torch.randn(200)
+    y = cpu_qgemm_pack.prefill_linear(x, packed, bias, "float32").double()
+    exact = x.double() @ _exact(iw, scales, mins).t() + bias.double()
+    bound = 600 * 2.0 ** -23 * (x.double().abs() @ _exact(iw, scales, mins).abs().t()
+                                + bias.double().abs())
+    assert bool(((y - exact).abs() <= bound).all())
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        cpu_qgemm_pack.prefill_linear(x, packed, None, "float16")
