@@ -54,7 +54,7 @@ extensions.append(Extension(
     "nybble.kernels.cpu.wo_gemm", [f"{CPU}/wo_gemm.pyx"], define_macros=macros,
     include_dirs=[CPU, np.get_include()],
     depends=[f"{CPU}/wo_gemm.h", f"{CPU}/wo_struct.pxi", f"{CPU}/cpu_arrays.pxi",
-             f"{CPU}/cpu_features.h"],
+             f"{CPU}/cpu_features.h", f"{CPU}/pool.h", f"{CPU}/pool.pxi"],
     extra_compile_args=["-O3"]))
 # The CPU quantized GEMM with bf16 or VNNI integer dot products (nybble/kernels/cpu/qgemm.pyx,
 # qgemm.h, idot.h): the AVX-512 BF16 / VNNI paths are compiled for those targets alone

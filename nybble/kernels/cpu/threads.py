@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 
-_MODULES = ("nybble.kernels.cpu.qgemm", "nybble.kernels.cpu.decoder")
+_MODULES = ("nybble.kernels.cpu.qgemm", "nybble.kernels.cpu.wo_gemm", "nybble.kernels.cpu.decoder")
 
 
 def set_kernel_threads(threads: int) -> dict[str, int]:

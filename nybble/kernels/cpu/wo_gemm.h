@@ -36,6 +36,7 @@
 #include <string.h>
 
 #include "cpu_features.h"
+#include "pool.h"
 #ifdef NYB_X86_AVX2
 #include <immintrin.h>
 #endif
@@ -358,19 +359,61 @@ static NYB_AVX2 void nyb_block_avx2(const nyb_wo_weight *W, const float *x, cons
 
 static int nyb_have_avx2(void) { return nyb_cpu_has_avx2_fma(); }
 
+typedef struct {
+    const nyb_wo_weight *W;
+    const float *xp, *xs;
+    int64_t M;
+    float *y;
+    int64_t ldy;
+    int avx2, failed;
+} nyb_wo_job;
+
+/* Column blocks lo .. hi of all rows, with this chunk's own scratch (the dequantized group
+ * tile and the output tile). */
+static void nyb_wo_range(void *ctx, int64_t lo, int64_t hi) {
+    nyb_wo_job *j = (nyb_wo_job *)ctx;
+    const nyb_wo_weight *W = j->W;
+    const int64_t K = W->K, M = j->M;
+    float *tile = (float *)malloc(sizeof(float) * (size_t)(W->group * NYB_COLS
+                                                           + NYB_MAX_ROWS * NYB_COLS));
+    if (tile == NULL) {
+        __atomic_store_n(&j->failed, 1, __ATOMIC_RELAXED);
+        return;
+    }
+    float *yt = tile + W->group * NYB_COLS;
+    for (int64_t jb = lo; jb < hi; jb++) {
+        const int64_t n0 = jb * NYB_COLS;
+        const int64_t cols = W->N - n0 < NYB_COLS ? W->N - n0 : NYB_COLS;
+        for (int64_t m0 = 0; m0 < M; m0 += NYB_MAX_ROWS) {
+            const int64_t rows = M - m0 < NYB_MAX_ROWS ? M - m0 : NYB_MAX_ROWS;
+            memset(yt, 0, sizeof(float) * (size_t)(rows * NYB_COLS));
+#ifdef NYB_X86_AVX2
+            if (j->avx2) nyb_block_avx2(W, j->xp + m0 * K, j->xs + m0 * W->G, rows, jb, yt, tile);
+            else
+#endif
+            nyb_block_portable(W, j->xp + m0 * K, j->xs + m0 * W->G, rows, jb, yt, tile);
+            for (int64_t m = 0; m < rows; m++)
+                memcpy(j->y + (m0 + m) * j->ldy + n0, yt + m * NYB_COLS,
+                       sizeof(float) * (size_t)cols);
+        }
+    }
+    free(tile);
+}
+
 /* y[M, N] (row stride ldy) = x[M, K] (row stride ldx) @ W^T, any M >= 1.  Each block of 32
  * output columns runs over the rows in chunks of NYB_MAX_ROWS while it is in cache, so the
- * packed weight is read from memory once per call.  Returns 0, or -1 when M < 1 or memory
- * runs out (y untouched then).  force_portable: 1 takes the portable C loop even where AVX2
- * exists (tests compare the two). */
+ * packed weight is read from memory once per call; the blocks are spread over the module's
+ * pool.h threads (each block computed the same way on any thread: results do not depend on
+ * the thread count).  Returns 0, or -1 when M < 1 or memory runs out (y may then be partly
+ * written).  force_portable: 1 takes the portable C loop even where AVX2 exists (tests
+ * compare the two). */
 static int nyb_wo_gemm(const nyb_wo_weight *W, const float *x, int64_t M, int64_t ldx,
                        float *y, int64_t ldy, int force_portable) {
     if (M < 1) return -1;
     const int64_t K = W->K;
-    float *xp = (float *)malloc(sizeof(float) * (size_t)(M * K + M * W->G + W->group * NYB_COLS
-                                                          + NYB_MAX_ROWS * NYB_COLS));
+    float *xp = (float *)malloc(sizeof(float) * (size_t)(M * K + M * W->G));
     if (xp == NULL) return -1;
-    float *xs = xp + M * K, *tile = xs + M * W->G, *yt = tile + W->group * NYB_COLS;
+    float *xs = xp + M * K;
     for (int64_t m = 0; m < M; m++) {   /* x in the weight's row order, then group sums */
         const float *xm = x + m * ldx;
         float *d = xp + m * K;
@@ -383,25 +426,11 @@ static int nyb_wo_gemm(const nyb_wo_weight *W, const float *x, int64_t M, int64_
             xs[m * W->G + g] = t;
         }
     }
-    const int avx2 = !force_portable && nyb_have_avx2();
-    for (int64_t jb = 0; jb < W->Np / NYB_COLS; jb++) {
-        const int64_t n0 = jb * NYB_COLS;
-        const int64_t cols = W->N - n0 < NYB_COLS ? W->N - n0 : NYB_COLS;
-        for (int64_t m0 = 0; m0 < M; m0 += NYB_MAX_ROWS) {
-            const int64_t rows = M - m0 < NYB_MAX_ROWS ? M - m0 : NYB_MAX_ROWS;
-            memset(yt, 0, sizeof(float) * (size_t)(rows * NYB_COLS));
-#ifdef NYB_X86_AVX2
-            if (avx2) nyb_block_avx2(W, xp + m0 * K, xs + m0 * W->G, rows, jb, yt, tile);
-            else
-#endif
-            nyb_block_portable(W, xp + m0 * K, xs + m0 * W->G, rows, jb, yt, tile);
-            for (int64_t m = 0; m < rows; m++)
-                memcpy(y + (m0 + m) * ldy + n0, yt + m * NYB_COLS, sizeof(float) * (size_t)cols);
-        }
-    }
+    nyb_wo_job job = {W, xp, xs, M, y, ldy, !force_portable && nyb_have_avx2(), 0};
+    const int64_t Nb = W->Np / NYB_COLS;
+    nyb_parallel_for(Nb, nyb_pool_chunk(Nb, 2), nyb_wo_range, &job);
     free(xp);
-    (void)avx2;
-    return 0;
+    return job.failed ? -1 : 0;
 }
 
 static int nyb_wo_have_avx2(void) { return nyb_have_avx2(); }

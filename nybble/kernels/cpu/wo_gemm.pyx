@@ -9,6 +9,7 @@ which share memory). The GIL is released while the kernel runs.
 """
 include "cpu_arrays.pxi"
 include "wo_struct.pxi"
+include "pool.pxi"
 
 cnp.import_array()
 

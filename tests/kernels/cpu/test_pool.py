@@ -1,10 +1,12 @@
 """The C kernels' thread pool (nybble/kernels/cpu/pool.h): a GEMM split over several threads
 writes exactly what one thread writes (each output column block is computed by one chunk
-with the same code), for the integer-dot and bf16-dot kernels, decode and prefill row
+with the same code), for the integer-dot, bf16-dot and float32 weight-only kernels, decode and
+prefill row
 counts, column counts that leave a short last chunk; calls from several Python threads at
 once and from a forked child are correct; the thread setting is clamped and reported."""
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import threading
 
@@ -15,6 +17,8 @@ import torch
 from nybble.kernels.cpu import decoder as cpu_decoder
 from nybble.kernels.cpu import qgemm as cpu_qgemm
 from nybble.kernels.cpu import qgemm_pack as cpu_qgemm_pack
+from nybble.kernels.cpu import weight_only as cpu_weight_only
+from nybble.kernels.cpu import wo_gemm as cpu_wo_gemm
 from nybble.kernels.cpu.threads import set_kernel_threads
 from tests.kernels.cpu.test_qgemm import _weight
 
@@ -57,6 +61,35 @@ def test_threads_write_what_one_thread_writes(kind, bits, k, n, rows) -> None:
         assert cpu_qgemm.set_threads(threads) == threads == cpu_qgemm.get_threads()
         np.testing.assert_array_equal(_run(x, packed, n, bias, None), want)
         np.testing.assert_array_equal(_run(x, packed, n, None, acc), want_acc)
+
+
+@pytest.mark.parametrize("bits,k,n,mode", [(4, 576, 960, "min"), (4, 1536, 576, "zero"),
+                                           (8, 576, 3000, "zero"), (4, 64, 40, "sym"),
+                                           (8, 96, 1000, "min")])
+@pytest.mark.parametrize("rows", [1, 2, 17, 70])
+@pytest.mark.parametrize("portable", [False, True])
+def test_weight_only_threads_write_what_one_thread_writes(bits, k, n, mode, rows,
+                                                          portable) -> None:
+    """The float32 weight-only kernel (the exact path, the default without AVX-512) splits its
+    32-column blocks over the module's pool: the same bytes for any thread count."""
+    iw, scales, mins = _weight(bits, k, n, 32, mode, False, seed=bits + n + rows)
+    if mins is not None:
+        iw = dataclasses.replace(iw, mins=mins)
+    w, why = cpu_weight_only.prepare(iw, scales)
+    assert w is not None, why
+    x = np.random.default_rng(rows).standard_normal((rows, k), dtype=np.float32)
+
+    def run() -> np.ndarray:
+        out = np.full((rows, n + 3), 7.0, np.float32)
+        cpu_wo_gemm.wo_gemm(x, w, out, portable)
+        return out
+
+    assert cpu_wo_gemm.set_threads(1) == 1
+    want = run()
+    assert bool((want[:, n:] == 7.0).all())
+    for threads in (2, 3, 7):
+        assert cpu_wo_gemm.set_threads(threads) == threads == cpu_wo_gemm.get_threads()
+        np.testing.assert_array_equal(run(), want)
 
 
 def test_concurrent_callers_are_correct() -> None:
@@ -109,8 +142,10 @@ def test_the_setting_is_clamped_and_applied_to_every_module() -> None:
     assert cpu_qgemm.set_threads(0) == 1
     assert cpu_qgemm.set_threads(1000) == 64
     assert set_kernel_threads(2) == {"nybble.kernels.cpu.qgemm": 2,
+                                     "nybble.kernels.cpu.wo_gemm": 2,
                                      "nybble.kernels.cpu.decoder": 2}
     assert cpu_decoder.get_threads() == 2 and cpu_qgemm.get_threads() == 2
+    assert cpu_wo_gemm.get_threads() == 2
     with pytest.raises(ValueError, match="threads must be >= 1"):
         set_kernel_threads(0)
 
