@@ -384,6 +384,15 @@ NYB_ID2_INLINE __m256i nyb_id2_bcast(const int8_t *x4) {
     return _mm256_set1_epi32(v);
 }
 
+/* The low and high nibbles (as bytes) of half hb's 32 bytes of 64-byte unit u. */
+NYB_ID2_INLINE void nyb_id2_nibbles(const nyb_qw *W, int64_t hb, int64_t u, __m256i mask,
+                                    __m256i *lo, __m256i *hi) {
+    const __m256i v = _mm256_loadu_si256(
+        (const __m256i *)(nyb_id_unit(W, hb / 2, u) + 32 * (hb % 2)));
+    *lo = _mm256_and_si256(v, mask);
+    *hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+}
+
 /* R rows (from m0) x H halves (8 columns each, from half hb0 = columns 8 hb0 ..) into
  * yt [R][H * 8], which starts at zero; P activation planes. */
 NYB_ID2_INLINE void nyb_id2_tile(const nyb_qw *W, const nyb_idx *X, int64_t m0, int64_t hb0,
@@ -420,10 +429,8 @@ NYB_ID2_INLINE void nyb_id2_tile(const nyb_qw *W, const nyb_idx *X, int64_t m0, 
                     }
 #pragma GCC unroll 4
                     for (int h = 0; h < H; h++) {
-                        const __m256i u = _mm256_loadu_si256(
-                            (const __m256i *)(nyb_id_unit(W, (hb0 + h) / 2, k / 8) + 32 * ((hb0 + h) % 2)));
-                        const __m256i lo = _mm256_and_si256(u, mask),
-                                      hi = _mm256_and_si256(_mm256_srli_epi16(u, 4), mask);
+                        __m256i lo, hi;
+                        nyb_id2_nibbles(W, hb0 + h, k / 8, mask, &lo, &hi);
 #pragma GCC unroll 2
                         for (int p = 0; p < P; p++)
                             acc[0][h][p][0] = _mm256_add_epi16(
@@ -436,12 +443,8 @@ NYB_ID2_INLINE void nyb_id2_tile(const nyb_qw *W, const nyb_idx *X, int64_t m0, 
                 for (int64_t k = kb; k < kbe; k += 8) {
                     __m256i lo[4], hi[4];
 #pragma GCC unroll 4
-                    for (int h = 0; h < H; h++) {
-                        const __m256i u = _mm256_loadu_si256(
-                            (const __m256i *)(nyb_id_unit(W, (hb0 + h) / 2, k / 8) + 32 * ((hb0 + h) % 2)));
-                        lo[h] = _mm256_and_si256(u, mask);
-                        hi[h] = _mm256_and_si256(_mm256_srli_epi16(u, 4), mask);
-                    }
+                    for (int h = 0; h < H; h++)
+                        nyb_id2_nibbles(W, hb0 + h, k / 8, mask, &lo[h], &hi[h]);
 #pragma GCC unroll 4
                     for (int r = 0; r < R; r++)
 #pragma GCC unroll 2
@@ -460,12 +463,8 @@ NYB_ID2_INLINE void nyb_id2_tile(const nyb_qw *W, const nyb_idx *X, int64_t m0, 
                 for (int64_t k = kb; k < kbe; k += 4) {
                     __m256i lo[4], hi[4];
 #pragma GCC unroll 4
-                    for (int h = 0; h < H; h++) {
-                        const __m256i u = _mm256_loadu_si256(
-                            (const __m256i *)(nyb_id_unit(W, (hb0 + h) / 2, k / 4) + 32 * ((hb0 + h) % 2)));
-                        lo[h] = _mm256_and_si256(u, mask);
-                        hi[h] = _mm256_and_si256(_mm256_srli_epi16(u, 4), mask);
-                    }
+                    for (int h = 0; h < H; h++)
+                        nyb_id2_nibbles(W, hb0 + h, k / 4, mask, &lo[h], &hi[h]);
 #pragma GCC unroll 4
                     for (int r = 0; r < R; r++)
 #pragma GCC unroll 2
