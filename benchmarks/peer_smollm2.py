@@ -204,7 +204,7 @@ def main() -> None:  # noqa: C901 - one linear script
     missing = [p for pair in paths.values() for p in pair if not os.path.exists(p)]
     if missing or not os.path.exists(args.llama_server):
         sys.exit(f"missing {missing or args.llama_server}: run benchmarks/smollm2_artifacts.sh "
-                 f"(and build llama.cpp as ../shared/docs/peers.md says)")
+                 f"(and build llama.cpp as benchmarks/README.md says)")
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(os.path.join(args.artifacts, "hf-f32"))

@@ -15,10 +15,10 @@
 #                            the Q8_0 token_embd llama-quantize writes for a tied model)
 #   OUT/MANIFEST.txt         size and sha256 of every file made
 #
-# The converter runs in its own virtualenv (VENV, created if missing, as shared/docs/peers.md
-# says) with the gguf-py of its own source tree; nybble quantize runs with $PYTHON (default:
+# The converter runs in its own virtualenv (VENV, created if missing, with torch, gguf,
+# transformers and accelerate) and the gguf-py of its own source tree; nybble quantize runs with $PYTHON (default:
 # the python on PATH, which must import this checkout's nybble). Files that exist are kept
-# (--force remakes them). How to get and build llama.cpp: shared/docs/peers.md.
+# (--force remakes them). How to get and build llama.cpp: benchmarks/README.md.
 #
 # Usage:
 #   bash benchmarks/smollm2_artifacts.sh [--shared DIR] [--llama-dir DIR] [--build DIR]
@@ -56,7 +56,7 @@ FLOAT_DIR="${FLOAT_DIR:-$OUT/hf-f32}"
 GGUF_SRC="$SHARED/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf"
 QUANTIZE="$BUILD/bin/llama-quantize"
 for need in "$GGUF_SRC" "$LLAMA_DIR/convert_hf_to_gguf.py" "$QUANTIZE"; do
-  [ -e "$need" ] || { echo "missing $need (see shared/docs/peers.md)" >&2; exit 1; }
+  [ -e "$need" ] || { echo "missing $need (see benchmarks/README.md, "Building the peer")" >&2; exit 1; }
 done
 mkdir -p "$OUT"
 
