@@ -47,3 +47,61 @@ def as_bytes(kv_cache: torch.Tensor) -> torch.Tensor:
     """``kv_cache`` viewed as ``int8`` when it is one byte per element (CPU indexing ops such
     as ``index_copy_`` / ``index_select`` do not take float8), else itself."""
     return kv_cache.view(torch.int8) if kv_cache.dtype == torch.float8_e4m3fn else kv_cache
+
+
+class KeySmoothing:
+    """A static per-channel change of variables on keys and queries ahead of a quantized cache.
+
+    Keys are stored as ``k' = (k - shift) * inv_factor`` and queries are read as
+    ``q' = q * factor`` (per KV head and head dimension), so that
+    ``q' . k' = q . k - q . shift``: the product of query and key changes only by a term that
+    is the same for every key a query sees, which softmax removes exactly. Two things follow:
+
+    - ``factor`` moves each channel's range onto the head's quantization grid (the scale
+      migration of SmoothQuant, Xiao et al. 2023, applied between queries and keys as in
+      QServe's SmoothAttention, Lin et al. 2024): a key channel that spans a tenth of the
+      widest one still gets the whole int8 grid.
+    - ``shift`` centres each channel's range on zero. Post-RoPE keys of small models carry
+      large per-channel offsets (up to 0.77 of a channel's absmax on the bundled model), and
+      both int8 (absolute error) and fp8 (relative error) lose less on a centred value.
+
+    The shift is only exact where nothing but a softmax follows the scores: a soft-capped
+    layer (Gemma 2) must use a zero shift. Values are untouched (their per-head scale suffices:
+    docs/kv-cache.md). Static like the per-head scales, so a block's bytes never depend on
+    the batch that wrote it.
+
+    Args:
+        shift: ``[Hkv, D]`` float32, subtracted from every key.
+        factor: ``[Hkv, D]`` float32 in ``(0, 1]``, the keys' per-channel range relative to
+            the head's widest channel.
+        group: query heads per KV head (``Hq / Hkv``; query head ``i`` reads KV head
+            ``i // group``).
+
+    Raises:
+        ValueError: shapes that differ, or a factor outside ``(0, 1]``.
+    """
+
+    def __init__(self, shift: torch.Tensor, factor: torch.Tensor, group: int) -> None:
+        if shift.shape != factor.shape or shift.dim() != 2:
+            raise ValueError(f"shift and factor must both be [Hkv, D], got {tuple(shift.shape)} "
+                             f"and {tuple(factor.shape)}")
+        if not bool(((factor > 0) & (factor <= 1)).all()):
+            raise ValueError("factor must lie in (0, 1]")
+        self.shift = shift.float().contiguous()
+        self.factor = factor.float().contiguous()
+        self.inv_factor = (1.0 / self.factor).contiguous()
+        self.q_factor = self.factor.repeat_interleave(group, dim=0).contiguous()
+
+    def keys(self, key: torch.Tensor) -> torch.Tensor:
+        """``key [T, Hkv, D]`` -> the keys to store, same shape and dtype (computed in
+        float32, float64 for float64 keys)."""
+        if key.dtype == torch.float64:
+            return (key - self.shift.double()) * self.inv_factor.double()
+        return ((key.float() - self.shift) * self.inv_factor).to(key.dtype)
+
+    def queries(self, query: torch.Tensor) -> torch.Tensor:
+        """``query [T, Hq, D]`` -> the queries that read the stored keys, same shape and
+        dtype."""
+        if query.dtype == torch.float64:
+            return query * self.q_factor.double()
+        return (query.float() * self.q_factor).to(query.dtype)

@@ -20,6 +20,7 @@ from torch import nn
 from nybble.distributed import channel
 from nybble.distributed.comm import single_rank
 from nybble.kernels.interface import AttentionBackend, AttentionMetadata
+from nybble.kernels.kv_quant import KeySmoothing
 from nybble.models.cpu_fused import FusedCpuDecode
 from nybble.errors import UnsupportedModelError
 from nybble.models.arch import ArchSpec
@@ -81,11 +82,15 @@ class LlamaAttention(nn.Module):
         # [2, Hkv] float32 per-head K/V scales of a quantized KV cache (set by
         # nybble.runtime.worker.kv_calibration before the pool is used); None for a float cache.
         self.kv_scale: torch.Tensor | None = None
+        # its per-channel key centring and scale migration (set with kv_scale), or None
+        self.key_smoothing: KeySmoothing | None = None
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Write this step's ``k``/``v`` ``[T, Hkv, D]`` into ``kv_cache`` and attend with
         ``q [T, Hq, D]``: ``[T, Hq * D]`` (before ``o_proj``)."""
+        if self.key_smoothing is not None:
+            q, k = self.key_smoothing.queries(q), self.key_smoothing.keys(k)
         self.backend.reshape_and_cache(k, v, kv_cache, meta, self.kv_scale)
         out = self.backend.forward(q, kv_cache, meta, self.scale, self.kv_scale,
                                    **self._extra)  # (T, Hq, D)

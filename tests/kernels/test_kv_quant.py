@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from nybble.kernels.kv_quant import QMAX, quantize_kv
+from nybble.kernels.kv_quant import QMAX, KeySmoothing, quantize_kv
 from nybble.kernels.reference.attention import TorchAttentionBackend, reshape_and_cache
 from tests.kernels.triton.test_attention import make_batch, oracle, rel_err
 
@@ -220,3 +220,48 @@ def test_triton_attention_reads_through_the_scales(qdtype, block_size, hq, hkv, 
     assert out.dtype == qdt and not torch.isnan(out).any()
     tol = 1e-5 if qdt == torch.float32 else 1e-2
     assert rel_err(out.cpu(), ref) < tol
+
+
+def _softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: int
+                       ) -> torch.Tensor:
+    """float64 ``softmax(q k^T) v`` of one sequence, ``q [T, Hq, D]``, ``k/v [S, Hkv, D]``,
+    query head ``i`` reading KV head ``i // group`` (no mask: every query sees every key)."""
+    k = k.double().repeat_interleave(group, dim=1)
+    v = v.double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("thd,shd->hts", q.double(), k)
+    return torch.einsum("hts,shd->thd", scores.softmax(dim=-1), v)
+
+
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2)])
+def test_key_smoothing_leaves_attention_unchanged(hq: int, hkv: int) -> None:
+    """Stored keys ``(k - shift) / factor`` read by queries ``q * factor`` give the same
+    attention as ``q`` on ``k``, exactly up to float64 rounding: the product changes by
+    ``q . shift``, the same for every key of a query, which softmax removes."""
+    g = torch.Generator().manual_seed(0)
+    d = 8
+    q = torch.randn(5, hq, d, generator=g, dtype=torch.float64)
+    k = torch.randn(11, hkv, d, generator=g, dtype=torch.float64) * 3 + 2
+    v = torch.randn(11, hkv, d, generator=g, dtype=torch.float64)
+    shift = torch.randn(hkv, d, generator=g)
+    factor = torch.rand(hkv, d, generator=g).clamp(min=0.05)
+    smooth = KeySmoothing(shift, factor, hq // hkv)
+    assert smooth.q_factor.shape == (hq, d)
+    stored_keys, read_queries = smooth.keys(k), smooth.queries(q)
+    assert stored_keys.dtype == read_queries.dtype == torch.float64
+    assert torch.allclose(stored_keys, (k - shift.double()) / factor.double(), rtol=1e-6)
+    want = _softmax_attention(q, k, v, hq // hkv)
+    got = _softmax_attention(read_queries, stored_keys, v, hq // hkv)
+    assert torch.allclose(got, want, rtol=0, atol=1e-6)
+    # a shift alone changes the scores themselves, by q . shift per query (and KV head)
+    assert not torch.allclose(torch.einsum("thd,shd->ths", q[:, ::hq // hkv], k),
+                              torch.einsum("thd,shd->ths", q[:, ::hq // hkv],
+                                           stored_keys * factor.double()))
+
+
+def test_key_smoothing_rejects_bad_shapes_and_factors() -> None:
+    with pytest.raises(ValueError, match="shift and factor must both be"):
+        KeySmoothing(torch.zeros(2, 8), torch.ones(2, 4), 1)
+    with pytest.raises(ValueError, match=r"factor must lie in \(0, 1\]"):
+        KeySmoothing(torch.zeros(2, 8), torch.full((2, 8), 1.5), 1)
+    with pytest.raises(ValueError, match=r"factor must lie in \(0, 1\]"):
+        KeySmoothing(torch.zeros(2, 8), torch.zeros(2, 8), 1)

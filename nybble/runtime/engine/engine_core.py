@@ -200,8 +200,9 @@ class EngineCore:
         if is_quantized_kv(spec.dtype):
             model_elem = torch.empty((), dtype=loaded.dtype).element_size()
             plain = spec.total_bytes // (spec.bytes_per_block * model_elem) * spec.block_size
-            logger.info("KV cache dtype %s (per-head scales calibrated at start-up): the pool "
-                        "holds %d tokens, %.2fx the %d tokens of a %s cache of the same bytes",
+            logger.info("KV cache dtype %s (scales and key smoothing calibrated at start-up): "
+                        "the pool holds %d tokens, %.2fx the %d tokens of a %s cache of the same "
+                        "bytes",
                         self.config.cache_config.kv_cache_dtype, pool_tokens,
                         pool_tokens / max(plain, 1), plain,
                         str(loaded.dtype).replace("torch.", ""))

@@ -1,18 +1,20 @@
-"""Per-head KV-cache scales for an ``int8`` / ``fp8_e4m3`` cache, calibrated at start-up.
+"""KV-cache scales (and key smoothing) for an ``int8`` / ``fp8_e4m3`` cache, calibrated at start-up.
 
 One prefill of :data:`CALIBRATION_TOKENS` pseudo-random token ids (fixed seed) through the
-model with a float scratch cache; for each layer, K/V and KV head the scale is
-``CALIBRATION_MARGIN * absmax / qmax`` (``qmax`` 127 for int8, 448 for fp8 e4m3), so the
-calibrated range maps onto the dtype's grid with headroom for activations larger than the
-calibration's. Values past that range saturate (clamped). Why random ids and this margin, and
-the perplexity it gives, are in docs/kv-cache.md. Deterministic: the same model gives the same
-scales.
+model with a float scratch cache. Values get a per-head scale ``CALIBRATION_MARGIN * absmax /
+qmax`` (``qmax`` 127 for int8, 448 for fp8 e4m3). Keys are first centred and equalised per
+channel (:class:`nybble.kernels.kv_quant.KeySmoothing`: a shift to the middle of each
+channel's calibrated range, and a factor that moves the query/key product's range from the
+key channel to the query), then get a per-head scale over the equalised channels with the same
+margin. Values past the calibrated range saturate (clamped). Why random ids, this margin and
+the smoothing, with the perplexity and KL divergence they give on three models, are in
+docs/kv-cache.md. Deterministic: the same model gives the same scales.
 """
 from __future__ import annotations
 
 import torch
 
-from nybble.kernels.kv_quant import QMAX
+from nybble.kernels.kv_quant import QMAX, KeySmoothing
 from nybble.models.loader import LoadedModel
 from nybble.models.scoring import prefill_logits
 
@@ -24,6 +26,11 @@ CALIBRATION_MARGIN = 2.0
 text reach up to 1.6x (stories3m) and 1.8x (stories260k) of what random ids give, per head;
 2x covers that, at the cost of one bit of int8 resolution (docs/kv-cache.md)."""
 
+KEY_FACTOR_FLOOR = 1.0 / 16
+"""Smallest per-channel key factor: a channel whose calibrated range is under 1/16 of its
+head's widest still gets 1/16 of the grid, so text that swings it wider than random ids did
+has room before it saturates (docs/kv-cache.md)."""
+
 _SEED = 1234
 
 
@@ -34,17 +41,26 @@ def calibration_token_ids(vocab_size: int, num_tokens: int) -> list[int]:
 
 
 @torch.inference_mode()
-def calibrate_kv_scales(loaded: LoadedModel, cache_dtype: torch.dtype,
-                        device: torch.device) -> list[torch.Tensor]:
-    """Calibrate and install the per-head scales of a quantized KV cache.
+def calibrate_kv_scales(loaded: LoadedModel, cache_dtype: torch.dtype, device: torch.device,
+                        smooth_keys: bool = True) -> list[torch.Tensor]:
+    """Calibrate and install the scales of a quantized KV cache (and the key smoothing).
 
-    Runs one float-cache prefill (the attention layers' ``kv_scale`` must still be ``None``),
-    then sets ``layer.self_attn.kv_scale`` of every layer.
+    Runs one float-cache prefill of :data:`CALIBRATION_TOKENS` random ids with the layers'
+    ``kv_scale`` and ``key_smoothing`` cleared, then sets both on every layer:
+
+    - keys: per channel (KV head x head dimension) the calibrated range ``[lo, hi]`` gives a
+      shift ``(lo + hi) / 2`` (zero in a soft-capped layer, where a shift is not exact) and a
+      half-width ``r``; the head's scale is ``CALIBRATION_MARGIN * max(r) / qmax`` and each
+      channel's factor ``max(r / max(r), KEY_FACTOR_FLOOR)``
+      (:class:`nybble.kernels.kv_quant.KeySmoothing`);
+    - values: per head, ``CALIBRATION_MARGIN * absmax / qmax``.
 
     Args:
         loaded: the model.
         cache_dtype: ``torch.int8`` or ``torch.float8_e4m3fn``.
         device: where the model lives.
+        smooth_keys: ``False`` gives the plain per-head key scales without smoothing (kept
+            for the comparison in ``benchmarks/kv_cache_ppl.py``).
 
     Returns:
         One ``[2, Hkv]`` float32 tensor per layer (keys row 0, values row 1), as installed.
@@ -56,16 +72,30 @@ def calibrate_kv_scales(loaded: LoadedModel, cache_dtype: torch.dtype,
         raise ValueError(f"cache_dtype must be int8 or float8_e4m3fn, got {cache_dtype}")
     attns = [layer.self_attn for layer in loaded.model.layers]
     for attn in attns:
-        attn.kv_scale = None
+        attn.kv_scale, attn.key_smoothing = None, None
     num_tokens = min(CALIBRATION_TOKENS, loaded.max_model_len)
     ids = calibration_token_ids(loaded.shape.vocab_size, num_tokens)
     caches: list[torch.Tensor] = []
     prefill_logits(loaded, [ids], device, keep_caches=caches)
+    qmax = QMAX[cache_dtype]
     scales = []
     for attn, cache in zip(attns, caches):
-        # cache [2, NB, BS, Hkv, D] -> absmax per (K/V, head) over every token and dim
-        absmax = cache.float().abs().amax(dim=(1, 2, 4))
-        scale = (absmax * CALIBRATION_MARGIN / QMAX[cache_dtype]).clamp_(min=1e-8)
+        # cache [2, NB, BS, Hkv, D]: the sequence fills its first num_tokens slots
+        kv = cache.float().flatten(1, 2)[:, :num_tokens]          # [2, T, Hkv, D]
+        keys, values = kv[0], kv[1]
+        value_scale = values.abs().amax(dim=(0, 2)) * CALIBRATION_MARGIN / qmax
+        if smooth_keys:
+            lo, hi = keys.amin(dim=0), keys.amax(dim=0)             # [Hkv, D]
+            shift = (lo + hi) / 2 if attn.softcap is None else torch.zeros_like(lo)
+            half = torch.maximum(hi - shift, shift - lo).clamp_(min=1e-8)
+            widest = half.amax(dim=1, keepdim=True)                 # [Hkv, 1]
+            factor = (half / widest).clamp_(min=KEY_FACTOR_FLOOR)
+            attn.key_smoothing = KeySmoothing(shift.to(device), factor.to(device),
+                                              attn.num_heads // attn.num_kv_heads)
+            key_scale = widest[:, 0] * CALIBRATION_MARGIN / qmax
+        else:
+            key_scale = keys.abs().amax(dim=(0, 2)) * CALIBRATION_MARGIN / qmax
+        scale = torch.stack([key_scale, value_scale]).clamp_(min=1e-8)
         attn.kv_scale = scale.to(device=device, dtype=torch.float32).contiguous()
         scales.append(attn.kv_scale)
     return scales
