@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from nybble.config import has_tokenizer_file
+from nybble.model_files import has_tokenizer_file
 from nybble.errors import (
     EngineStepError,
     InvalidRequestError,

@@ -17,7 +17,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from nybble.config import EngineConfig, ModelConfig, check_model_dir
+from nybble.config import EngineConfig, ModelConfig
+from nybble.model_files import check_model_dir
 from nybble.errors import EngineStepError, WorkerFailedError
 from nybble.kernels import get_attention_backend
 from nybble.models.loader import LoadedModel, load_model
