@@ -428,3 +428,22 @@ class EngineConfig:
                    compilation_config=CompilationConfig(**parts[CompilationConfig]),
                    parallel_config=ParallelConfig(**parts[ParallelConfig]),
                    **parts[cls])
+
+
+def encode_config(config: EngineConfig) -> str:
+    """``config`` as JSON text (passed to the engine-core process and to tensor-parallel
+    workers on their command lines)."""
+    import msgspec  # NOTE: lazily, so `import nybble` does not load it
+
+    return msgspec.json.encode(config).decode()
+
+
+def decode_config(text: str) -> EngineConfig:
+    """The :class:`EngineConfig` of :func:`encode_config` (validated again on the way in).
+
+    Raises:
+        msgspec.ValidationError: a field out of its range.
+    """
+    import msgspec
+
+    return msgspec.json.decode(text, type=EngineConfig)

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from nybble.config import EngineConfig
+from nybble.config import EngineConfig, decode_config
 from nybble.distributed import channel
 from nybble.distributed.comm import TPGroup, destroy_tp_group, init_tp_group
 from nybble.kernels import get_attention_backend
@@ -120,8 +120,6 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of an ``mp`` worker process (``python -m nybble.runtime.executor.tp_worker``):
     dies with its parent (``PR_SET_PDEATHSIG``, and a check every second while idle).
     Returns the exit code."""
-    from nybble.runtime.messages import decode_config
-
     parser = argparse.ArgumentParser(prog="nybble.runtime.executor.tp_worker")
     parser.add_argument("--config", required=True, help="the EngineConfig as JSON")
     parser.add_argument("--rank", type=int, required=True)
