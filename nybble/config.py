@@ -5,7 +5,7 @@
 field is validated at construction with a message that names the value received and the
 allowed range. Nothing mutates a config after it is built;
 values derived at start-up live elsewhere: the number of KV blocks in
-``nybble.runtime.worker.kv_cache.KVCacheSpec``, the EOS ids and the model's dimensions
+``nybble.runtime.worker.kv_plan.KVCacheSpec``, the EOS ids and the model's dimensions
 (``nybble.models.shape.ModelShape``) in ``nybble.models.loader.LoadedModel``. Which files of a
 model folder are the config, the weights and the tokenizer is :mod:`nybble.model_files`'.
 """

@@ -26,8 +26,7 @@ from nybble.quant.report import summarize_report
 from nybble.runtime.scheduler.batch import ScheduledBatch
 from nybble.runtime.engine.beam_core import BeamCoordinator, add_results
 from nybble.runtime.worker.draft_proposer import DraftProposer
-from nybble.runtime.worker.kv_cache import is_quantized_kv, plan_kv_cache
-from nybble.runtime.worker.kv_plan import fit_max_model_len
+from nybble.runtime.worker.kv_plan import fit_max_model_len, is_quantized_kv, plan_kv_cache
 from nybble.runtime.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,

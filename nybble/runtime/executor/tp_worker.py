@@ -22,8 +22,7 @@ from nybble.distributed.comm import TPGroup, destroy_tp_group, init_tp_group
 from nybble.kernels import get_attention_backend
 from nybble.models.loader import LoadedModel, load_model
 from nybble.oslimits import die_with_parent
-from nybble.runtime.worker.kv_cache import KVCacheSpec, kv_storage_dtype
-from nybble.runtime.worker.kv_plan import fit_max_model_len
+from nybble.runtime.worker.kv_plan import KVCacheSpec, fit_max_model_len, kv_storage_dtype
 from nybble.runtime.worker.model_runner import ModelRunner
 from nybble.runtime.executor.step_payload import unpack_step
 
