@@ -27,7 +27,7 @@ from _report import print_table, write_json  # noqa: E402
 from nybble.config import CacheConfig  # noqa: E402
 from nybble.models.scoring import prefill_logits  # noqa: E402
 from nybble.quantize.eval_ppl import nybble_model, perplexity, split_paragraphs  # noqa: E402
-from nybble.runtime.worker.kv_cache import kv_storage_dtype, plan_kv_cache  # noqa: E402
+from nybble.runtime.worker.kv_plan import kv_storage_dtype, plan_kv_cache  # noqa: E402
 from nybble.runtime.worker.kv_calibration import calibrate_kv_scales  # noqa: E402
 
 SHARED = os.environ.get("NYBBLE_SHARED", os.path.join(os.path.dirname(_HERE), "..", "shared"))

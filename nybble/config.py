@@ -1,21 +1,29 @@
 """One frozen configuration object that flows down from the CLI / ``LLM(...)`` kwargs.
 
 ``EngineConfig`` composes :class:`ModelConfig`, :class:`CacheConfig`,
-:class:`SchedulerConfig`, :class:`CompilationConfig` and :class:`ParallelConfig`. Every field is validated at construction with a message that
-names the value received and the allowed range. Nothing mutates a config after it is built;
+:class:`SchedulerConfig`, :class:`CompilationConfig` and :class:`ParallelConfig`. Every
+field is validated at construction with a message that names the value received and the
+allowed range. Nothing mutates a config after it is built;
 values derived at start-up live elsewhere: the number of KV blocks in
-``nybble.runtime.worker.kv_cache.KVCacheSpec``, the EOS ids and the model's dimensions
-(``nybble.models.shape.ModelShape``) in ``nybble.models.loader.LoadedModel``.
+``nybble.runtime.worker.kv_plan.KVCacheSpec``, the EOS ids and the model's dimensions
+(``nybble.models.shape.ModelShape``) in ``nybble.models.loader.LoadedModel``. Which files of a
+model folder are the config, the weights and the tokenizer is :mod:`nybble.model_files`'.
 """
 from __future__ import annotations
 
 import json
 import os
-import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from nybble.errors import UnsupportedModelError
+from nybble.model_files import (
+    TOKENIZER_FILES,
+    check_model_dir,
+    config_folder,
+    file_bytes,
+    is_gguf,
+    read_json,
+)
 
 DEFAULT_MODEL = os.path.join(os.path.dirname(__file__), "_bundled", "stories260k")
 """Path of the bundled real model (Karpathy's stories260K in Hugging Face Llama format)."""
@@ -34,133 +42,6 @@ KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "int8")
 def _check(ok: bool, name: str, allowed: str, value: object) -> None:
     if not ok:
         raise ValueError(f"{name} must be {allowed}, got {value!r}")
-
-
-TOKENIZER_FILE = "tokenizer.json"
-"""The ``tokenizers`` pipeline file of a Hugging Face model folder."""
-
-
-def has_tokenizer_file(folder: str) -> bool:
-    """Whether ``folder`` holds a ``tokenizer.json`` (else the tokenizer needs transformers'
-    conversion, see ``nybble.tokenizer.hf_tokenizer``)."""
-    return os.path.isfile(os.path.join(folder, TOKENIZER_FILE))
-
-
-def is_gguf(model: str) -> bool:
-    """Whether the model path names a GGUF file (``.gguf``) rather than a folder."""
-    return model.lower().endswith(".gguf")
-
-
-def config_folder(model: str) -> str:
-    """The folder holding ``config.json`` for ``model``: the model folder itself, or the
-    side folder of a GGUF file (:func:`nybble.gguf.side_folder.side_folder_path`)."""
-    if not is_gguf(model):
-        return model
-    from nybble.gguf.side_folder import side_folder_path
-
-    return side_folder_path(model)
-
-
-def check_model_dir(model_dir: str) -> None:
-    """Fail early, with a clear message, unless ``model_dir`` is a local model folder.
-
-    Cheap (no heavy import), so the CLI answers a bad path at once. A ``.gguf`` file is
-    checked instead (magic, version, every shard present) and its side folder of
-    Hugging Face files is written from its metadata if needed (:mod:`nybble.gguf.side_folder`).
-
-    Raises:
-        UnsupportedModelError: no such folder, a file instead of a folder, or no
-            ``config.json`` in it; for a GGUF file, any of the checks above.
-    """
-    if is_gguf(model_dir):
-        from nybble.gguf.side_folder import ensure_side_folder
-
-        ensure_side_folder(model_dir)
-        return
-    if os.path.isfile(os.path.join(model_dir, "config.json")):
-        return
-    what = ("has no config.json" if os.path.isdir(model_dir) else
-            "is a file, expected a folder" if os.path.exists(model_dir) else "does not exist")
-    if os.path.isdir(model_dir):
-        ggufs = sorted(n for n in os.listdir(model_dir) if n.endswith(".gguf"))
-        if ggufs:
-            what += (f" but holds GGUF file(s) ({', '.join(ggufs[:3])}): pass the file itself, "
-                     f"e.g. {os.path.join(model_dir, ggufs[0])!r}")
-    raise UnsupportedModelError(
-        f"model must be a local Hugging Face model folder (config.json, *.safetensors, "
-        f"tokenizer files), got {model_dir!r}, which {what}; nybble does not download "
-        f"from model hubs")
-
-
-WEIGHTS_INDEX = "model.safetensors.index.json"
-"""The index of a sharded checkpoint (``weight_map``: tensor name -> shard file)."""
-_SHARD = re.compile(r"model-(\d+)-of-(\d+)\.safetensors")
-_AUTOGPTQ = re.compile(r"gptq_model-\d+bit--?\d+g\.safetensors")  # group size -1 too
-
-
-def model_weight_files(model_dir: str) -> list[str]:
-    """The checkpoint files of a model folder, and no other ``*.safetensors`` in it
-    (reference outputs, adapters): the files of ``model.safetensors.index.json``; else
-    ``model.safetensors``; else every shard ``model-i-of-n.safetensors``; else the file that
-    AutoGPTQ names in ``quantize_config.json`` (``model_file_base_name``) or by default
-    (``gptq_model-4bit-128g.safetensors``, ``gptq_model-4bit--1g.safetensors``).
-
-    Cheap (reads only the index and ``quantize_config.json``).
-
-    Raises:
-        UnsupportedModelError: no weight file, only pickle checkpoints (``*.bin``, ``*.pt``:
-            they can run code when loaded), an index naming a file outside the folder or a
-            missing file, or an incomplete set of shards.
-    """
-    index = os.path.join(model_dir, WEIGHTS_INDEX)
-    if os.path.isfile(index):
-        with open(index, encoding="utf-8") as f:
-            names = sorted(set(json.load(f).get("weight_map", {}).values()))
-        for name in names:
-            norm = os.path.normpath(name) if isinstance(name, str) else ".."
-            if os.path.isabs(norm) or norm == ".." or norm.startswith(".." + os.sep):
-                raise UnsupportedModelError(f"{WEIGHTS_INDEX} must name weight files inside "
-                                            f"the model folder {model_dir!r}, got {name!r}")
-        return _existing(model_dir, names, WEIGHTS_INDEX)
-    files = os.listdir(model_dir)
-    if "model.safetensors" in files:
-        return [os.path.join(model_dir, "model.safetensors")]
-    shards = sorted(f for f in files if _SHARD.fullmatch(f))
-    if shards:
-        total = int(_SHARD.fullmatch(shards[0]).group(2))  # type: ignore[union-attr]
-        want = [f"model-{i:05d}-of-{total:05d}.safetensors" for i in range(1, total + 1)]
-        return _existing(model_dir, want, f"the shard names ({shards[0]})")
-    base = _read_json(os.path.join(model_dir, "quantize_config.json")).get(
-        "model_file_base_name")
-    named = [f"{base}.safetensors"] if isinstance(base, str) and base else []
-    autogptq = named or [f for f in sorted(files) if _AUTOGPTQ.fullmatch(f)][:1]
-    if autogptq:
-        return _existing(model_dir, autogptq, "quantize_config.json")
-    pickles = [f for f in files if f.endswith((".bin", ".pt", ".pth"))]
-    others = sorted(f for f in files if f.endswith(".safetensors"))
-    what = ("only pickle checkpoints (refused: they can run code)" if pickles else
-            f"only {others} (not weight files)" if others else "no weight files")
-    raise UnsupportedModelError(f"model folder must contain model.safetensors, "
-                                f"model-*-of-*.safetensors shards or {WEIGHTS_INDEX}, found "
-                                f"{what} in {model_dir}")
-
-
-def _existing(model_dir: str, names: list[str], source: str) -> list[str]:
-    paths = [os.path.join(model_dir, n) for n in names]
-    missing = [n for n, p in zip(names, paths) if not os.path.isfile(p)]
-    if missing:
-        raise UnsupportedModelError(f"the weight files named by {source} must exist in "
-                                    f"{model_dir}, missing {missing[:3]}")
-    return paths
-
-
-def _read_json(path: str) -> dict[str, Any]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            value = json.load(f)
-    except (OSError, ValueError):
-        return {}
-    return value if isinstance(value, dict) else {}
 
 
 @dataclass(frozen=True)
@@ -434,24 +315,16 @@ class SpeculativeConfig:
         if self.model is None:
             return
         check_model_dir(self.model)
-        vocab = [_read_json(os.path.join(d, "config.json")).get("vocab_size")
-                 for d in (self.model, target_model)]
+        vocab = [(read_json(os.path.join(d, "config.json"), lenient=True) or {})
+                 .get("vocab_size") for d in (self.model, target_model)]
         _check(vocab[0] == vocab[1], "the draft model's vocab_size",
                f"the target's ({vocab[1]})", vocab[0])
-        for name in (TOKENIZER_FILE, "tokenizer.model", "tokenizer_config.json"):
+        for name in TOKENIZER_FILES:
             files = [os.path.join(self.model, name), os.path.join(target_tokenizer, name)]
-            if os.path.isfile(files[1]) and _file_bytes(files[0]) != _file_bytes(files[1]):
+            if os.path.isfile(files[1]) and file_bytes(files[0]) != file_bytes(files[1]):
                 raise ValueError(f"the draft model's {name} must equal the target's "
                                  f"({files[1]}): draft and target must share one tokenizer, "
                                  f"got a different or missing {files[0]}")
-
-
-def _file_bytes(path: str) -> bytes | None:
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except OSError:
-        return None
 
 
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
@@ -555,3 +428,22 @@ class EngineConfig:
                    compilation_config=CompilationConfig(**parts[CompilationConfig]),
                    parallel_config=ParallelConfig(**parts[ParallelConfig]),
                    **parts[cls])
+
+
+def encode_config(config: EngineConfig) -> str:
+    """``config`` as JSON text (passed to the engine-core process and to tensor-parallel
+    workers on their command lines)."""
+    import msgspec  # NOTE: lazily, so `import nybble` does not load it
+
+    return msgspec.json.encode(config).decode()
+
+
+def decode_config(text: str) -> EngineConfig:
+    """The :class:`EngineConfig` of :func:`encode_config` (validated again on the way in).
+
+    Raises:
+        msgspec.ValidationError: a field out of its range.
+    """
+    import msgspec
+
+    return msgspec.json.decode(text, type=EngineConfig)

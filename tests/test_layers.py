@@ -1,6 +1,7 @@
 """Layers point down only: the import-linter contracts of pyproject.toml hold, have no
-exceptions, and do fail on an upward import; the Cython core (which import-linter cannot read)
-names no torch and no nybble module above it."""
+exceptions, and do fail on an upward import; every module of the torch-free packages is pinned
+by a torch-free contract; the Cython core (which import-linter cannot read) names no torch and
+no nybble module above it."""
 from __future__ import annotations
 
 import io
@@ -49,6 +50,42 @@ def test_contracts_pin_every_layer_without_exceptions() -> None:
     assert [flat.index(m) for m in order] == sorted(flat.index(m) for m in order)
     for top in ("server", "bench", "quantize", "generate_cli"):
         assert flat.index(top) < flat.index("runtime")
+
+
+TORCH_FREE_PACKAGES = ("nybble.runtime.scheduler", "nybble.runtime.frontend", "nybble.tokenizer")
+"""Packages whose every module is pinned torch-free (the Cython core's Python side, the API
+process's half of the runtime, the text handling the API process uses)."""
+NOT_TORCH_FREE = {"nybble.tokenizer.hf_tokenizer"}  # transformers' conversion: engine core only
+
+
+def _package_modules(package: str) -> dict[str, str]:
+    """Dotted name -> path of every ``.py`` module of ``package`` (its ``__init__`` too)."""
+    folder = os.path.join(ROOT, *package.split("."))
+    found = {}
+    for dirpath, dirs, files in os.walk(folder):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        for name in files:
+            if name.endswith(".py"):
+                rel = os.path.relpath(os.path.join(dirpath, name[:-3]), ROOT)
+                found[rel.replace(os.sep, ".").removesuffix(".__init__")] = \
+                    os.path.join(dirpath, name)
+    return found
+
+
+def test_torch_free_packages_are_pinned_module_by_module() -> None:
+    torch_free = [c for c in _contracts() if c["type"] == "forbidden"
+                  and "torch" in c["forbidden_modules"]]
+    exact = {m for c in torch_free for m in c["source_modules"]}
+    trees = {m for c in torch_free if c.get("as_packages", True) for m in c["source_modules"]}
+    unpinned = []
+    for package in TORCH_FREE_PACKAGES:
+        for module, path in sorted(_package_modules(package).items()):
+            with open(path, encoding="utf-8") as f:
+                imports_nothing = "import" not in f.read()  # a docstring-only package init
+            covered = module in exact or any(module.startswith(t + ".") for t in trees)
+            if not (covered or imports_nothing or module in NOT_TORCH_FREE):
+                unpinned.append(module)
+    assert not unpinned, f"modules in no torch-free contract of pyproject.toml: {unpinned}"
 
 
 def _copy_package(dst: str) -> str:

@@ -7,7 +7,7 @@ from typing import Any
 
 def _throughput(args: argparse.Namespace) -> int:
     from nybble.bench.models import MODEL_ALIASES
-    from nybble.config import check_model_dir
+    from nybble.model_files import check_model_dir
 
     if args.model is not None and args.model not in MODEL_ALIASES:
         check_model_dir(args.model)  # NOTE: a bad path answers before torch is imported

@@ -1,7 +1,7 @@
 """Load a Hugging Face model folder (safetensors only) into :class:`LlamaForCausalLM`.
 
 Weights stream tensor by tensor from the checkpoint's files only
-(:func:`nybble.config.model_weight_files`: ``model.safetensors``, sharded
+(:func:`nybble.model_files.model_weight_files`: ``model.safetensors``, sharded
 ``model-xxxxx-of-yyyyy.safetensors`` + ``model.safetensors.index.json``, or AutoGPTQ's
 ``gptq_model-4bit-128g.safetensors``), never from another ``*.safetensors`` in the folder.
 Pickle checkpoints (``*.bin``, ``*.pt``) are refused: they can run arbitrary code.
@@ -18,7 +18,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from nybble.config import ModelConfig, check_model_dir, config_folder, is_gguf, model_weight_files
+from nybble.config import ModelConfig
+from nybble.model_files import check_model_dir, config_folder, is_gguf, model_weight_files
 from nybble.distributed.comm import TPGroup, single_rank
 from nybble.errors import UnsupportedModelError
 from nybble.kernels.cpu.qgemm import have_bf16, have_vnni, idot_fast_path

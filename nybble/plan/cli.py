@@ -41,7 +41,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Print the plan; exit code 0, or 1 when no sequence of ``--max-model-len`` fits."""
-    from nybble.config import check_model_dir, config_folder, is_gguf
+    from nybble.model_files import check_model_dir, config_folder, is_gguf
 
     check_model_dir(args.model)
     import torch

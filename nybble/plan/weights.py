@@ -12,7 +12,7 @@ import json
 import struct
 from dataclasses import dataclass
 
-from nybble.config import model_weight_files
+from nybble.model_files import model_weight_files
 
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
                "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}

@@ -8,7 +8,6 @@ Source: docs/quant-formats.md §2 (where the config lives, key synonyms, dispatc
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -18,8 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from nybble.config import model_weight_files
 from nybble.errors import UnsupportedModelError
+from nybble.model_files import model_weight_files, read_json
 from nybble.quant.compressed import CompressedPackedLinear, Int8W8A8Linear
 from nybble.quant.linear import AWQLinear, CpuPathLog, GPTQLinear
 
@@ -29,14 +28,6 @@ METHODS = ("gptq", "awq", "compressed-tensors")
 SUPPORTED = ("gptq (checkpoint_format gptq|gptq_v2, bits 4|8), awq (version gemm, bits 4, "
              "zero_point true), compressed-tensors (pack-quantized W4A16/W8A16, int-quantized W8A8)")
 _SYNONYMS = {"w_bit": "bits", "q_group_size": "group_size"}
-
-
-def _read_json(path: str) -> dict[str, Any] | None:
-    if not os.path.isfile(path):
-        return None
-    with open(path, encoding="utf-8") as f:
-        data = json.load(f)
-    return data if isinstance(data, dict) else None
 
 
 def _normalise(raw: dict[str, Any]) -> dict[str, Any]:
@@ -59,7 +50,7 @@ def find_raw_quant_config(model_dir: str, hf_config: dict[str, Any]) -> dict[str
     in_cfg = hf_config.get("quantization_config")
     side = None
     for name in ("quantize_config.json", "quant_config.json"):
-        side = _read_json(os.path.join(model_dir, name))
+        side = read_json(os.path.join(model_dir, name))
         if side is not None:
             break
     if in_cfg is not None:

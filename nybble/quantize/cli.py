@@ -7,7 +7,8 @@ import logging
 import os
 import sys
 
-from nybble.config import CPU_ACTIVATION_DTYPES, check_model_dir
+from nybble.config import CPU_ACTIVATION_DTYPES
+from nybble.model_files import check_model_dir
 from nybble.runtime.worker.torch_threads import setup_threads
 from nybble.threads import add_threads_arg
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from nybble.config import model_weight_files
+from nybble.model_files import model_weight_files
 from nybble.quant.config import load_quant_config
 
 

@@ -26,7 +26,7 @@ from nybble.outputs import RequestOutput
 from nybble.runtime.engine.engine_core import EngineCore
 from nybble.tokenizer.hf_tokenizer import load_tokenizer
 from nybble.runtime.frontend.input_processor import DEFAULT_NAMES, InputProcessor, ParamNames
-from nybble.runtime.worker.kv_cache import KVCacheSpec
+from nybble.runtime.worker.kv_plan import KVCacheSpec
 from nybble.runtime.messages import EngineCoreRequest, EngineStats
 from nybble.runtime.frontend.output_processor import OutputProcessor
 from nybble.runtime.frontend.request import Request

@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from nybble.config import EngineConfig
 from nybble.sampling_params import SamplingParams
 
 
@@ -334,17 +333,3 @@ class Codec:
             msgspec.DecodeError: ``data`` is not a message of the incoming union.
         """
         return self._decoder.decode(data)
-
-
-def encode_config(config: EngineConfig) -> str:
-    """``config`` as JSON text (passed to the core process on its command line)."""
-    return msgspec.json.encode(config).decode()
-
-
-def decode_config(text: str) -> EngineConfig:
-    """The :class:`EngineConfig` of :func:`encode_config` (validated again on the way in).
-
-    Raises:
-        msgspec.ValidationError: a field out of its range.
-    """
-    return msgspec.json.decode(text, type=EngineConfig)

@@ -31,7 +31,8 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from nybble.config import EngineConfig, has_tokenizer_file
+from nybble.config import EngineConfig
+from nybble.model_files import has_tokenizer_file
 from nybble.oslimits import raise_open_file_limit
 from nybble.runtime.frontend.core_spawn import spawn_core
 from nybble.server.config import ServerConfig

@@ -20,20 +20,45 @@ lmdeploy guards against). Method:
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from nybble.tokenizer.tokenizer import Tokenizer
+from typing import Any, Protocol
 
 PRIVATE_USE = range(0xE000, 0xF900)
 """Unicode's private-use area: where the marks come from."""
+
+
+class ChatTokenizer(Protocol):
+    """What :func:`encode_conversation` needs of a tokenizer
+    (:class:`nybble.tokenizer.tokenizer.Tokenizer` has it; a Protocol, so this module does
+    not import the tokenizer that imports it)."""
+
+    @property
+    def special_token_ids(self) -> dict[str, int]:
+        """The text of every special added token -> its id."""
+
+    @property
+    def special_token_strings(self) -> frozenset[str]:
+        """The texts of the special added tokens."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``, special-token strings recognised."""
+
+    def encode_plain(self, text: str) -> list[int]:
+        """Token ids of ``text`` read as text only (special-token strings too)."""
+
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            add_generation_prompt: bool = True,
+                            continue_final_message: bool = False,
+                            chat_template: str | None = None,
+                            template_kwargs: dict[str, Any] | None = None,
+                            tools: list[dict[str, Any]] | None = None) -> str:
+        """The conversation rendered with the chat template."""
 
 
 def _contents(messages: list[dict[str, Any]]) -> list[str]:
     return [m["content"] for m in messages if isinstance(m.get("content"), str)]
 
 
-def encode_conversation(tok: Tokenizer, messages: list[dict[str, Any]],
+def encode_conversation(tok: ChatTokenizer, messages: list[dict[str, Any]],
                         rendered: str | None = None, **template_options: Any) -> list[int]:
     """Token ids of ``messages`` rendered with the chat template; special tokens only where
     the template wrote them (see the module docstring).

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from nybble.config import has_tokenizer_file
+from nybble.model_files import has_tokenizer_file
 from nybble.tokenizer.tokenizer import Tokenizer
 
 

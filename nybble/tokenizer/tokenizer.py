@@ -23,8 +23,8 @@ from typing import Any
 from tokenizers import Tokenizer as RustTokenizer
 from tokenizers.decoders import DecodeStream
 
-from nybble.config import TOKENIZER_FILE, has_tokenizer_file
 from nybble.errors import InvalidRequestError
+from nybble.model_files import TOKENIZER_FILE, has_tokenizer_file, read_json
 from nybble.tokenizer.chat_encode import encode_conversation
 from nybble.tokenizer.chat_template import render_chat_template
 
@@ -65,14 +65,6 @@ def _decoder_types(decoder: Any) -> set[str]:
     for inner in decoder.get("decoders") or ():
         found |= _decoder_types(inner)
     return found
-
-
-def _read_json(path: str) -> dict[str, Any]:
-    if not os.path.isfile(path):
-        return {}
-    with open(path, encoding="utf-8") as f:
-        data = json.load(f)
-    return data if isinstance(data, dict) else {}
 
 
 def _token_text(value: Any) -> str | None:
@@ -132,8 +124,9 @@ class Tokenizer:
         else:
             raise FileNotFoundError(f"tokenizer folder must contain {TOKENIZER_FILE} (or a "
                                     f"tokenizer transformers can convert), got {folder!r}")
-        config = _read_json(os.path.join(folder, "tokenizer_config.json"))
-        for key, value in _read_json(os.path.join(folder, "special_tokens_map.json")).items():
+        config = read_json(os.path.join(folder, "tokenizer_config.json")) or {}
+        for key, value in (read_json(os.path.join(folder, "special_tokens_map.json"))
+                           or {}).items():
             config.setdefault(key, value)
         return cls(backend, config, _chat_template(folder, config))
 

@@ -110,7 +110,7 @@ def test_quantization_flag(tmp_path: Path) -> None:
 
 def test_a_folder_holding_only_a_gguf_file_names_the_file(tmp_path: Path) -> None:
     """The folder of a published GGUF (no config.json) is refused with the file to pass."""
-    from nybble.config import check_model_dir
+    from nybble.model_files import check_model_dir
 
     folder = tmp_path / "published"
     folder.mkdir()

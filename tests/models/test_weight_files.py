@@ -13,8 +13,9 @@ import torch
 from safetensors.torch import save_file
 
 from nybble import LLM, SamplingParams
-from nybble.config import DEFAULT_MODEL, model_weight_files
+from nybble.config import DEFAULT_MODEL
 from nybble.errors import UnsupportedModelError
+from nybble.model_files import model_weight_files
 
 
 def _folder(tmp_path: Path, *names: str, index: dict[str, str] | None = None,

@@ -15,8 +15,7 @@ from nybble.models.hf_config import load_hf_config
 from nybble.models.shape import ModelShape
 from nybble.plan.planner import PlanRequest, kv_layout, plan_memory
 from nybble.plan.weights import checkpoint_tensors, llama_gptq_tensors, weight_bytes
-from nybble.runtime.worker.kv_cache import plan_kv_cache
-from nybble.runtime.worker.kv_plan import blocks_in_budget
+from nybble.runtime.worker.kv_plan import blocks_in_budget, plan_kv_cache
 from tests.conftest import shared_path
 from tests.runtime.engine_helpers import make_engine
 

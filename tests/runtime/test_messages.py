@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from nybble.config import EngineConfig
+from nybble.config import EngineConfig, decode_config, encode_config
 from nybble.runtime.messages import (
     Codec,
     CoreInputs,
@@ -23,8 +23,6 @@ from nybble.runtime.messages import (
     ToCore,
     UtilityCall,
     UtilityResult,
-    decode_config,
-    encode_config,
 )
 from nybble.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
 

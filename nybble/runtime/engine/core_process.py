@@ -33,13 +33,14 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from nybble.config import has_tokenizer_file
+from nybble.config import decode_config
 from nybble.errors import (
     EngineStepError,
     InvalidRequestError,
     NybbleError,
     WorkerFailedError,
 )
+from nybble.model_files import has_tokenizer_file
 from nybble.runtime.messages import (
     Codec,
     CoreInputs,
@@ -52,7 +53,6 @@ from nybble.runtime.messages import (
     ToCore,
     UtilityCall,
     UtilityResult,
-    decode_config,
 )
 from nybble.runtime.worker.torch_threads import apply_torch_threads
 from nybble.oslimits import die_with_parent

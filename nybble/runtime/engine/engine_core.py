@@ -17,7 +17,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from nybble.config import EngineConfig, ModelConfig, check_model_dir
+from nybble.config import EngineConfig, ModelConfig
+from nybble.model_files import check_model_dir
 from nybble.errors import EngineStepError, WorkerFailedError
 from nybble.kernels import get_attention_backend
 from nybble.models.loader import LoadedModel, load_model
@@ -25,8 +26,7 @@ from nybble.quant.report import summarize_report
 from nybble.runtime.scheduler.batch import ScheduledBatch
 from nybble.runtime.engine.beam_core import BeamCoordinator, add_results
 from nybble.runtime.worker.draft_proposer import DraftProposer
-from nybble.runtime.worker.kv_cache import is_quantized_kv, plan_kv_cache
-from nybble.runtime.worker.kv_plan import fit_max_model_len
+from nybble.runtime.worker.kv_plan import fit_max_model_len, is_quantized_kv, plan_kv_cache
 from nybble.runtime.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,

@@ -14,8 +14,7 @@ from __future__ import annotations
 import logging
 import os
 
-from nybble.config import EngineConfig
-from nybble.runtime.messages import encode_config
+from nybble.config import EngineConfig, encode_config
 from nybble.runtime.executor.tp_executor import STOP_WAIT_S, Executor, free_port
 from nybble.runtime.executor.tp_worker import wants_cuda
 
@@ -28,7 +27,7 @@ class RayWorker:
     def run(self, config_json: str, rank: int, init_method: str, cuda: bool) -> int:
         """Join the group, load the shard and follow commands until ``STOP``; returns the
         rank. A Ray actor sees only its own GPU: ``cuda:0``."""
-        from nybble.runtime.messages import decode_config
+        from nybble.config import decode_config
         from nybble.runtime.executor.tp_worker import run_worker
 
         run_worker(decode_config(config_json), rank, init_method, lambda: True,

@@ -18,12 +18,11 @@ import threading
 
 import torch
 
-from nybble.config import EngineConfig
+from nybble.config import EngineConfig, encode_config
 from nybble.distributed import channel
 from nybble.distributed.comm import TPGroup, destroy_tp_group, init_tp_group
 from nybble.errors import WorkerFailedError
 from nybble.runtime.scheduler.batch import ScheduledBatch
-from nybble.runtime.messages import encode_config
 from nybble.runtime.executor.step_payload import pack_step
 from nybble.runtime.executor.tp_worker import rank_device
 

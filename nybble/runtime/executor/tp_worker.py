@@ -16,14 +16,13 @@ from collections.abc import Callable
 
 import torch
 
-from nybble.config import EngineConfig
+from nybble.config import EngineConfig, decode_config
 from nybble.distributed import channel
 from nybble.distributed.comm import TPGroup, destroy_tp_group, init_tp_group
 from nybble.kernels import get_attention_backend
 from nybble.models.loader import LoadedModel, load_model
 from nybble.oslimits import die_with_parent
-from nybble.runtime.worker.kv_cache import KVCacheSpec, kv_storage_dtype
-from nybble.runtime.worker.kv_plan import fit_max_model_len
+from nybble.runtime.worker.kv_plan import KVCacheSpec, fit_max_model_len, kv_storage_dtype
 from nybble.runtime.worker.model_runner import ModelRunner
 from nybble.runtime.executor.step_payload import unpack_step
 
@@ -120,8 +119,6 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of an ``mp`` worker process (``python -m nybble.runtime.executor.tp_worker``):
     dies with its parent (``PR_SET_PDEATHSIG``, and a check every second while idle).
     Returns the exit code."""
-    from nybble.runtime.messages import decode_config
-
     parser = argparse.ArgumentParser(prog="nybble.runtime.executor.tp_worker")
     parser.add_argument("--config", required=True, help="the EngineConfig as JSON")
     parser.add_argument("--rank", type=int, required=True)

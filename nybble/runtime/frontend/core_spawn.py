@@ -18,8 +18,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
-from nybble.config import EngineConfig
-from nybble.runtime.messages import encode_config
+from nybble.config import EngineConfig, encode_config
 
 FOLDER_PREFIX = "nybble-core-"
 OWNER_FILE = "owner.pid"

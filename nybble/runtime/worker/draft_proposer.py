@@ -38,7 +38,8 @@ import torch
 from nybble.kernels.interface import AttentionMetadata
 from nybble.models.loader import LoadedModel
 from nybble.runtime.scheduler.batch import ScheduledBatch
-from nybble.runtime.worker.kv_cache import KVCacheSpec, allocate_kv_cache
+from nybble.runtime.worker.kv_cache import allocate_kv_cache
+from nybble.runtime.worker.kv_plan import KVCacheSpec
 
 
 def _metadata(slots: np.ndarray, qsl: np.ndarray, seq_lens: np.ndarray,

@@ -1,9 +1,11 @@
-"""KV-pool arithmetic shared by the engine's start-up and ``nybble plan`` (torch-free).
+"""KV-pool planning: the arithmetic shared by the engine's start-up and ``nybble plan``, and
+the engine's plan itself (:func:`plan_kv_cache` -> :class:`KVCacheSpec`).
 
-One implementation: :func:`nybble.runtime.worker.kv_cache.plan_kv_cache` sizes the engine's pool
-with
-these functions, and the planner (:mod:`nybble.plan_cli`) calls the same ones with the memory
-figures the user gives, so the two agree to the block.
+One implementation: :func:`plan_kv_cache` sizes the engine's pool with these functions, and the
+planner (:mod:`nybble.plan.planner`) calls the same ones with the memory figures the user
+gives, so the two agree to the block. The module imports no torch: the functions that take or
+return torch objects (dtypes, devices) import it when called. The pool's tensors are allocated
+by :mod:`nybble.runtime.worker.kv_cache`.
 
 A block holds ``block_size`` tokens of every layer (PagedAttention, Kwon et al., SOSP 2023):
 ``bytes_per_block = 2 * num_layers * block_size * num_kv_heads * head_dim * element_bytes``
@@ -13,9 +15,16 @@ scales are a fixed ``8 * num_layers * num_kv_heads`` bytes, outside the blocks.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from nybble.config import KV_CACHE_DTYPES
+from nybble.config import KV_CACHE_DTYPES, CacheConfig
+
+if TYPE_CHECKING:
+    import torch
+
+    from nybble.models.shape import ModelShape
 
 GPU_MEMORY_FRACTION = 0.9
 """Share of the free device memory (after the weights) the KV pool takes on a GPU."""
@@ -144,3 +153,121 @@ def fit_max_model_len(pool_tokens: int, max_model_len: int, user_set: bool) -> i
                          f"--max-model-len to at most {pool_tokens} or raise "
                          f"--kv-cache-memory / --num-gpu-blocks")
     return pool_tokens
+
+
+_KV_STORAGE = {"int8": "int8", "fp8_e4m3": "float8_e4m3fn"}
+"""The quantized caches' ``kv_cache_dtype`` -> the name of the torch dtype the pool stores."""
+
+
+def kv_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The torch dtype the pool stores: the model's for ``auto``, ``torch.int8`` or
+    ``torch.float8_e4m3fn`` for the quantized caches.
+
+    Raises:
+        ValueError: ``kv_cache_dtype`` is not one of :data:`KV_CACHE_DTYPES`.
+    """
+    name = _KV_STORAGE.get(check_kv_cache_dtype(kv_cache_dtype))
+    if name is None:
+        return model_dtype
+    import torch
+
+    return getattr(torch, name)
+
+
+def is_quantized_kv(dtype: torch.dtype) -> bool:
+    """Whether a cache of ``dtype`` holds quantized values (read through per-head scales)."""
+    import torch
+
+    return dtype in (getattr(torch, name) for name in _KV_STORAGE.values())
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """The KV pool derived at start-up.
+
+    Attributes:
+        num_layers, num_kv_heads, head_dim: the model's geometry (from its ``ModelShape``).
+        dtype: storage dtype (the model's activation dtype, or ``int8`` /
+            ``float8_e4m3fn`` for a quantized cache).
+        block_size: tokens per block.
+        num_blocks: blocks in the pool.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    block_size: int
+    num_blocks: int
+
+    @property
+    def layout(self) -> KVLayout:
+        """The pool's byte geometry (:class:`KVLayout`)."""
+        return KVLayout(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype.itemsize,
+                        self.block_size)
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes one block takes across all layers (keys and values)."""
+        return self.layout.bytes_per_block
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of the whole pool."""
+        return self.bytes_per_block * self.num_blocks
+
+
+def plan_kv_cache(cache: CacheConfig, shape: ModelShape, dtype: torch.dtype,
+                  device: torch.device, max_model_len: int | None = None) -> KVCacheSpec:
+    """Turn ``--num-gpu-blocks`` or a byte budget into a :class:`KVCacheSpec`.
+
+    Without either flag the budget on CPU is :func:`default_cpu_kv_budget` (256 MiB, grown to
+    hold one sequence of ``max_model_len`` tokens within a quarter of the machine's memory),
+    or :func:`kv_budget_from_free` of the free device memory (after the weights are loaded)
+    on CUDA; blocks come from :func:`blocks_in_budget` (the functions ``nybble plan`` uses).
+    ``cache.kv_cache_dtype`` picks the storage dtype (``dtype``, the model's, for ``auto``).
+
+    Raises:
+        ValueError: the budget is smaller than one block, or the pool (``num_gpu_blocks``
+            blocks, or the ``kv_cache_memory`` budget) needs more bytes than the device has
+            (:func:`_memory_limit`).
+    """
+    geometry = (shape.num_layers, shape.num_kv_heads, shape.head_dim)
+    spec = KVCacheSpec(*geometry, kv_storage_dtype(cache.kv_cache_dtype, dtype),
+                       cache.block_size, 1)
+    if cache.num_gpu_blocks is not None:
+        num_blocks, flag = cache.num_gpu_blocks, "num_gpu_blocks"
+    else:
+        flag = "kv_cache_memory"
+        budget = cache.kv_cache_memory
+        if budget is None:
+            if device.type == "cuda":
+                import torch
+
+                budget = kv_budget_from_free(torch.cuda.mem_get_info(device)[0])
+            else:
+                budget = default_cpu_kv_budget(spec.layout, max_model_len or 1,
+                                               _memory_limit(device)[0])
+        num_blocks = blocks_in_budget(budget, spec.layout)
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory must hold at least one block "
+                             f"({spec.bytes_per_block} bytes), got {budget} bytes")
+    need, (have, where) = num_blocks * spec.bytes_per_block, _memory_limit(device)
+    if need > have:
+        raise ValueError(f"{flag} must fit in memory: {num_blocks} blocks x "
+                         f"{spec.bytes_per_block} bytes = {need} bytes of KV cache, but "
+                         f"{where} is {have} bytes (at most {have // spec.bytes_per_block} "
+                         f"blocks)")
+    return KVCacheSpec(*geometry, spec.dtype, cache.block_size, num_blocks)
+
+
+def _memory_limit(device: torch.device) -> tuple[int, str]:
+    """``(bytes, what)``: the most a KV pool on ``device`` can take -- the free memory of a
+    GPU (after the weights), or the machine's physical memory on the CPU (the pool's pages
+    are mapped lazily, so free memory at start-up is not the limit)."""
+    if device.type == "cuda":
+        import torch
+
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free), f"the free memory of {device}"
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's memory"

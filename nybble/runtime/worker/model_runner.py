@@ -29,7 +29,8 @@ from nybble.runtime.scheduler.batch import ScheduledBatch
 from nybble.runtime.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from nybble.runtime.worker.draft_proposer import DraftProposer, decode_rows_metadata
 from nybble.runtime.worker.host_memory import retain_freed_memory
-from nybble.runtime.worker.kv_cache import KVCacheSpec, allocate_kv_cache
+from nybble.runtime.worker.kv_cache import allocate_kv_cache
+from nybble.runtime.worker.kv_plan import KVCacheSpec
 from nybble.runtime.sample.logit_shaping import LogitShaping
 from nybble.runtime.messages import EngineCoreRequest
 from nybble.runtime.worker.prompt_logprobs import PromptLogprobsChunk, PromptLogprobsTracker

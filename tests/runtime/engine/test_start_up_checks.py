@@ -13,8 +13,7 @@ import torch
 from nybble.cli import main
 from nybble.config import CacheConfig
 from nybble.models.shape import ModelShape
-from nybble.runtime.worker.kv_cache import plan_kv_cache
-from nybble.runtime.worker.kv_plan import default_cpu_kv_budget
+from nybble.runtime.worker.kv_plan import default_cpu_kv_budget, plan_kv_cache
 from nybble.sampling_params import SamplingParams
 from tests.runtime.engine_helpers import make_engine, run_requests
 

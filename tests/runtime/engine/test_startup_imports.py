@@ -47,9 +47,9 @@ def test_engine_core_start_up_and_first_step_import_only_what_they_need() -> Non
     # grammar (xgrammar), no JSON schema, no web stack, no tokenizer (the API process's job).
     code = ("import gc, sys, time\n"
             "from nybble import SamplingParams\n"
-            "from nybble.config import EngineConfig\n"
+            "from nybble.config import EngineConfig, encode_config\n"
             "from nybble.runtime.engine.core_process import _start\n"
-            "from nybble.runtime.messages import EngineCoreRequest, encode_config\n"
+            "from nybble.runtime.messages import EngineCoreRequest\n"
             "core, ready = _start(encode_config(EngineConfig()))\n"
             "assert gc.isenabled() and gc.get_freeze_count() > 0\n"
             "core.add_request(EngineCoreRequest('r', [1, 403, 90], SamplingParams(max_tokens=1),"

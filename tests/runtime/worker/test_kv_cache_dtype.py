@@ -180,8 +180,7 @@ def test_the_bundled_model_keeps_its_perplexity_with_an_int8_cache() -> None:
 
 def test_the_flag_reaches_the_core_process() -> None:
     """``nybble serve`` passes the config to its core process as JSON: the dtype survives."""
-    from nybble.config import EngineConfig
-    from nybble.runtime.messages import decode_config, encode_config
+    from nybble.config import EngineConfig, decode_config, encode_config
 
     config = EngineConfig.from_kwargs(kv_cache_dtype="fp8_e4m3")
     assert decode_config(encode_config(config)).cache_config.kv_cache_dtype == "fp8_e4m3"
