@@ -4,8 +4,9 @@ A request enters as a prompt (text or token ids) and a :class:`SamplingParams`; 
 an :class:`EngineCoreRequest` that the engine core trusts, or as one
 :class:`InvalidRequestError` whose ``param`` names the offending parameter (the server turns it
 into a 400 with an OpenAI error body). The gate resolves ``max_tokens=None`` to the rest of
-the context of *this* prompt, turns a ``top_p`` too small for float32 (:data:`FLOAT32_TINY`)
-into greedy sampling, and checks, in order:
+the context of *this* prompt, marks a request with ``max_tokens`` 0 ``prompt_only`` (the core
+and the output side read that field, not the 0), turns a ``top_p`` too small for float32
+(:data:`FLOAT32_TINY`) into greedy sampling, and checks, in order:
 
 1. every sampling range (``n``, ``best_of`` (``>= n``), ``temperature``, ``top_p``,
    ``top_k``, ``min_p``, ``seed``, ``max_tokens`` (``0``: score the prompt only),
@@ -161,7 +162,7 @@ class InputProcessor:
             request_id=request_id, prompt_token_ids=ids,
             params=dataclasses.replace(params, **changes), stop_token_ids=stop_ids,
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
-            bad_words_token_ids=bad_words)
+            bad_words_token_ids=bad_words, prompt_only=max_tokens == 0)
 
     def check_token_ids(self, ids: Sequence[int], param: str, allow_empty: bool = False) -> None:
         """Reject an empty list (unless ``allow_empty``) or ids outside the vocabulary.
