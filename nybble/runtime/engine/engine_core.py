@@ -68,7 +68,10 @@ class _CoreRequest:
 
 
 class EngineCore:
-    """Loads the model, plans the KV pool and runs steps; one thread (or process) drives it.
+    """Loads the model, plans the KV pool and runs steps. One caller drives it: the offline
+    engine (:class:`~nybble.runtime.llm_engine.LLMEngine`, on its caller's thread) or, under
+    ``nybble serve``, the busy loop of the engine-core process (its own process:
+    :mod:`nybble.runtime.engine.core_process`).
 
     Raises (constructor):
         UnsupportedModelError: the checkpoint cannot be loaded (architecture, dtype, format).
