@@ -174,7 +174,7 @@ def test_cython_import_scanner() -> None:
            "cimport numpy as cnp\n"
            "import numpy as np, nybble.kernels\n"
            "from nybble.runtime.scheduler.batch import (\n    ScheduledBatch,\n)\n"
-           "from .sequence cimport SeqStore\n"
+           "from .sequence cimport SlotStore\n"
            "def f():\n    import torch.nn\n")
     assert cython_imports(src) == ["libc.stdint", "numpy", "numpy", "nybble.kernels",
                                    "nybble.runtime.scheduler.batch",

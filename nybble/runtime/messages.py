@@ -133,6 +133,10 @@ class EngineCoreRequest(msgspec.Struct, frozen=True):
             shared by the processes of one machine).
         bad_words_token_ids: ``params.bad_words`` tokenized by the gate (each word with and
             without a leading space; vLLM's rule); empty when there are none.
+        prompt_only: score the prompt only (the caller asked for ``max_tokens`` 0): the core
+            runs the request for one token, so that its prompt is computed (prompt logprobs),
+            and the output side drops that token. Set by the gate; nothing else reads a 0
+            budget.
     """
 
     request_id: str
@@ -141,6 +145,7 @@ class EngineCoreRequest(msgspec.Struct, frozen=True):
     stop_token_ids: list[int]
     arrival_time: float
     bad_words_token_ids: list[list[int]] = msgspec.field(default_factory=list)
+    prompt_only: bool = False
 
     @property
     def max_tokens(self) -> int:

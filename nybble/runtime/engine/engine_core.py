@@ -68,7 +68,10 @@ class _CoreRequest:
 
 
 class EngineCore:
-    """Loads the model, plans the KV pool and runs steps; one thread (or process) drives it.
+    """Loads the model, plans the KV pool and runs steps. One caller drives it: the offline
+    engine (:class:`~nybble.runtime.llm_engine.LLMEngine`, on its caller's thread) or, under
+    ``nybble serve``, the busy loop of the engine-core process (its own process:
+    :mod:`nybble.runtime.engine.core_process`).
 
     Raises (constructor):
         UnsupportedModelError: the checkpoint cannot be loaded (architecture, dtype, format).
@@ -250,9 +253,10 @@ class EngineCore:
         seq_id = self._next_seq_id
         try:
             self.runner.add_request(seq_id, request, matchers)
-            # NOTE: max_tokens 0 (scoring only) runs as 1 and the output side drops the
-            # token; every prompt position must be computed for prompt logprobs
-            self.scheduler.add(seq_id, prompt, max(request.max_tokens, 1), stops, n,
+            # NOTE: a prompt-only request (scoring) runs for one token, which the output side
+            # drops; every prompt position must be computed for prompt logprobs
+            budget = 1 if request.prompt_only else request.max_tokens
+            self.scheduler.add(seq_id, prompt, budget, stops, n,
                                skip_prefix_cache=request.params.prompt_logprobs is not None)
         except BaseException:
             self.runner.remove_sequences(range(seq_id, seq_id + n))

@@ -4,8 +4,9 @@ A request enters as a prompt (text or token ids) and a :class:`SamplingParams`; 
 an :class:`EngineCoreRequest` that the engine core trusts, or as one
 :class:`InvalidRequestError` whose ``param`` names the offending parameter (the server turns it
 into a 400 with an OpenAI error body). The gate resolves ``max_tokens=None`` to the rest of
-the context of *this* prompt, turns a ``top_p`` too small for float32 (:data:`FLOAT32_TINY`)
-into greedy sampling, and checks, in order:
+the context of *this* prompt, marks a request with ``max_tokens`` 0 ``prompt_only`` (the core
+and the output side read that field, not the 0), turns a ``top_p`` too small for float32
+(:data:`FLOAT32_TINY`) into greedy sampling, and checks, in order:
 
 1. every sampling range (``n``, ``best_of`` (``>= n``), ``temperature``, ``top_p``,
    ``top_k``, ``min_p``, ``seed``, ``max_tokens`` (``0``: score the prompt only),
@@ -40,9 +41,15 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from nybble.errors import InvalidRequestError, KVCacheExhaustedError
+from nybble.errors import InvalidRequestError
 from nybble.runtime.messages import EngineCoreRequest, RequestLimits
-from nybble.runtime.frontend.shaping_checks import bad_words_token_ids, check_guided, check_shaping
+from nybble.runtime.frontend.shaping_checks import (
+    bad_words_token_ids,
+    check_guided,
+    check_min_tokens,
+    check_shaping,
+)
+from nybble.runtime.scheduler.scheduler_input import check_kv_fit
 from nybble.tokenizer.tokenizer import Tokenizer
 from nybble.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, num_candidates
 
@@ -147,10 +154,7 @@ class InputProcessor:
         stop_ids = list(params.stop_token_ids or [])
         if not params.ignore_eos:
             stop_ids += [t for t in self.eos_token_ids if t not in stop_ids]
-        if params.min_tokens > max_tokens:
-            raise InvalidRequestError(f"min_tokens must be <= {names.max_tokens} "
-                                      f"({max_tokens}), got {params.min_tokens}",
-                                      param="min_tokens")
+        check_min_tokens(params.min_tokens, max_tokens, names.max_tokens)  # resolved now
         changes: dict[str, object] = {"max_tokens": max_tokens}
         if params.temperature > 0 and params.top_p < FLOAT32_TINY:
             changes["temperature"] = 0.0  # NOTE: it would round to 0 in the sampler
@@ -161,7 +165,7 @@ class InputProcessor:
             request_id=request_id, prompt_token_ids=ids,
             params=dataclasses.replace(params, **changes), stop_token_ids=stop_ids,
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
-            bad_words_token_ids=bad_words)
+            bad_words_token_ids=bad_words, prompt_only=max_tokens == 0)
 
     def check_token_ids(self, ids: Sequence[int], param: str, allow_empty: bool = False) -> None:
         """Reject an empty list (unless ``allow_empty``) or ids outside the vocabulary.
@@ -211,7 +215,7 @@ class InputProcessor:
         if any(not isinstance(s, str) or not s for s in p.stop_list):
             raise _fail("stop", "non-empty strings", p.stop)
         self.check_token_ids(p.stop_token_ids or [], "stop_token_ids", allow_empty=True)
-        check_shaping(p, self.limits.vocab_size)
+        check_shaping(p, self.limits.vocab_size, names.max_tokens)
 
     def _check_speculative(self, p: SamplingParams) -> None:
         """With speculative decoding on, the parameters its verification does not apply
@@ -290,18 +294,12 @@ class InputProcessor:
                         n_name: str = "n") -> None:
         """``n`` (named ``n_name``) within ``max_num_seqs``; the request's longest sequence
         within the pool (``all_at_once``: ``n`` of them, the beams of a beam search, which
-        advance together)."""
+        advance together), by the scheduler's own rule, :func:`check_kv_fit`."""
         cap = self.limits.max_num_seqs
         if n > cap:
             raise InvalidRequestError(f"{n_name} must be <= {cap} (max_num_seqs: the samples "
                                       f"of a request run in one batch), got {n}", param=n_name)
         lim = self.limits
-        total = min(num_prompt + max_tokens, lim.max_model_len)
-        need = -(-total // lim.block_size) * (n if all_at_once else 1)
-        if need > lim.num_kv_blocks:
-            beams = f"{n} beams x " if all_at_once else ""
-            raise KVCacheExhaustedError(
-                f"the request needs {need} KV blocks ({beams}min(prompt {num_prompt} + "
-                f"{names.max_tokens} {max_tokens}, max_model_len {lim.max_model_len}) = "
-                f"{total} tokens at {lim.block_size} per block), but the KV cache holds "
-                f"only {lim.num_kv_blocks} blocks", param=names.max_tokens)
+        check_kv_fit(num_prompt, max_tokens, lim.max_model_len, lim.block_size,
+                     lim.num_kv_blocks, num_sequences=n if all_at_once else 1,
+                     max_tokens_name=names.max_tokens)

@@ -46,7 +46,7 @@ class OutputProcessor:
         """Start tracking a request the engine core accepted (``prompt``: its text, if any)."""
         self.requests[request.request_id] = Request.create(
             request.request_id, prompt, request.prompt_token_ids, request.params,
-            request.arrival_time, self.tokenizer)
+            request.arrival_time, self.tokenizer, prompt_only=request.prompt_only)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Forget a request; its unfinished samples end with ``"abort"``.
@@ -110,7 +110,7 @@ class OutputProcessor:
             if out.finish_reason is not None:
                 continue
             reason = FinishReason(code)
-            if request.params.max_tokens == 0:
+            if request.prompt_only:
                 # NOTE: scoring only: the core ran one step to compute the prompt and its
                 # token is dropped (vLLM's echo with max_tokens 0 does the same)
                 reason = FinishReason.LENGTH
@@ -122,7 +122,7 @@ class OutputProcessor:
             m = request.metrics
             m.first_token_time = m.first_token_time or now
             m.last_token_time = now
-            request.new_tokens += request.params.max_tokens != 0
+            request.new_tokens += not request.prompt_only
             request.changed.add(index)
             if reason != FinishReason.NONE:
                 out.finish_reason = FINISH_REASON_OPENAI[reason]

@@ -43,6 +43,8 @@ class Request:
         prompt_logprobs: with ``prompt_logprobs`` asked, the entries received so far (the
             first is ``None``), else ``None``.
         num_cached_tokens: prompt tokens its first step found in the prefix cache.
+        prompt_only: the gate's ``EngineCoreRequest.prompt_only`` (``max_tokens`` 0): the
+            token the core sampled is dropped, the samples end with ``"length"``.
     """
 
     request_id: str
@@ -57,12 +59,14 @@ class Request:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     prompt_logprobs_sent: bool = False                # a delta carried them already
     num_cached_tokens: int = 0
+    prompt_only: bool = False
 
     @classmethod
     def create(cls, request_id: str, prompt: str | None, prompt_ids: list[int],
                params: SamplingParams, arrival_time: float,
-               tokenizer: Tokenizer) -> Request:
-        """Build the request and the output state of its ``n`` samples."""
+               tokenizer: Tokenizer, prompt_only: bool = False) -> Request:
+        """Build the request and the output state of its ``n`` samples (``prompt_only``: see
+        the class)."""
         ranked = params.num_sequences > params.n   # best_of: ranked by cumulative logprob
         samples = [Sample(output=CompletionOutput(
                               index=i, logprobs=[] if params.logprobs is not None else None,
@@ -72,7 +76,8 @@ class Request:
                    for i in range(params.num_sequences)]
         return cls(request_id, prompt, prompt_ids, params, samples,
                    RequestMetrics(arrival_time=arrival_time),
-                   prompt_logprobs=None if params.prompt_logprobs is None else [None])
+                   prompt_logprobs=None if params.prompt_logprobs is None else [None],
+                   prompt_only=prompt_only)
 
     @property
     def finished(self) -> bool:

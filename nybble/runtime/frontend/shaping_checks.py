@@ -42,9 +42,28 @@ def _token_ids(ids: object, name: str, vocab: int, allow_empty: bool) -> None:
                     f"[0, {vocab})", ids)
 
 
-def check_shaping(p: SamplingParams, vocab_size: int) -> None:
-    """Check ``logit_bias``, ``min_tokens``, the penalties, ``bad_words`` and
-    ``allowed_token_ids`` (``max_tokens`` is checked before).
+def check_min_tokens(min_tokens: object, max_tokens: int | None,
+                     max_tokens_name: str = "max_tokens") -> None:
+    """The ``min_tokens`` rule: an integer in ``[0, max_tokens]`` (``max_tokens`` ``None``:
+    not resolved yet, so only ``>= 0``; the gate checks again once it is).
+
+    Args:
+        max_tokens_name: the API's name of ``max_tokens``, for the message.
+
+    Raises:
+        InvalidRequestError: naming ``min_tokens``.
+    """
+    if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or min_tokens < 0 or \
+            (max_tokens is not None and min_tokens > max_tokens):
+        raise _fail("min_tokens", "an integer >= 0" if max_tokens is None else
+                    f"an integer in [0, {max_tokens_name} ({max_tokens})]", min_tokens)
+
+
+def check_shaping(p: SamplingParams, vocab_size: int,
+                  max_tokens_name: str = "max_tokens") -> None:
+    """Check ``logit_bias``, ``min_tokens`` (:func:`check_min_tokens`), the penalties,
+    ``bad_words`` and ``allowed_token_ids`` (``max_tokens`` is checked before;
+    ``max_tokens_name``: its name in the API, for the messages).
 
     Raises:
         InvalidRequestError: naming the first parameter out of range.
@@ -61,10 +80,7 @@ def check_shaping(p: SamplingParams, vocab_size: int) -> None:
         if bad:
             raise _fail("logit_bias", f"biases in [-{LOGIT_BIAS_LIMIT:g}, "
                         f"{LOGIT_BIAS_LIMIT:g}]", bad[0])
-    if isinstance(p.min_tokens, bool) or not isinstance(p.min_tokens, int) or \
-            p.min_tokens < 0 or (p.max_tokens is not None and p.min_tokens > p.max_tokens):
-        raise _fail("min_tokens", f"an integer in [0, max_tokens ({p.max_tokens})]",
-                    p.min_tokens)
+    check_min_tokens(p.min_tokens, p.max_tokens, max_tokens_name)
     if not _finite(p.repetition_penalty) or p.repetition_penalty <= 0:
         raise _fail("repetition_penalty", "a finite number > 0 (1: none)",
                     p.repetition_penalty)

@@ -15,13 +15,14 @@ masks and biases, then the penalties):
    fewer than ``min_tokens`` output tokens;
 5. structured output: the grammar's token bitmask (``xgrammar``).
 
-State lives in rows of its own, only for sequences that shape (a request without shaping gets
-none, and a step with no shaping row returns the logits untouched: one ``len`` check). The
-token counts are ``[rows, vocab]`` tensors on the device, updated in place by :meth:`accept`
-each step (one scatter for the batch, never rebuilt from token lists); a row is written whole
-when a sequence is added, so a freed row carries nothing over. Preemption by recompute keeps
-the row (the output tokens stay output tokens); a failed step aborts its requests, which
-frees their rows.
+State lives in rows of its own (its own :class:`~nybble.runtime.sample.rows.RowAllocator`; why
+not the sampling table's rows is said there), only for sequences that shape (a request
+without shaping gets none, and a step with no shaping row returns the logits untouched: one
+``len`` check). The token counts are ``[rows, vocab]`` tensors on the device, updated in
+place by :meth:`accept` each step (one scatter for the batch, never rebuilt from token
+lists); a row is written whole when a sequence is added, so a freed row carries nothing over.
+Preemption by recompute keeps the row (the output tokens stay output tokens); a failed step
+aborts its requests, which frees their rows.
 
 Speculative decoding (:class:`VerifyLayout`) shapes the ``m + 1`` verified positions of a
 sample as non-speculative decoding would shape each of those tokens: at offset ``j`` the
@@ -37,6 +38,7 @@ import numpy as np
 import torch
 
 from nybble.runtime.messages import EngineCoreRequest
+from nybble.runtime.sample.rows import RowAllocator
 from nybble.runtime.sample.shaping_rows import NEG_INF, VerifyLayout, banned_next, static_row
 from nybble.runtime.sample.structured_output import GrammarBitmask, GrammarMatcher
 
@@ -53,9 +55,6 @@ class LogitShaping:
     def __init__(self, vocab_size: int, device: torch.device, capacity: int = 8) -> None:
         self.vocab_size = vocab_size
         self.device = device
-        self._slot: dict[int, int] = {}
-        self._free: list[int] = []
-        self._cap = 0
         self._num = dict.fromkeys(("bias", "pen", "min", "bad", "grammar"), 0)
         self._bias = torch.zeros(0, vocab_size, device=device)
         self._prompt = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)
@@ -66,17 +65,17 @@ class LogitShaping:
         self._history: list[list[int] | None] = []
         self._matchers: list[GrammarMatcher | None] = []
         self._bitmask = GrammarBitmask(vocab_size)
-        self._grow(capacity)
+        self._allocator = RowAllocator(capacity, self._grow)
 
     def __len__(self) -> int:
         """Sequences with a shaping row."""
-        return len(self._slot)
+        return len(self._allocator)
 
     def __contains__(self, seq_id: object) -> bool:
-        return seq_id in self._slot
+        return seq_id in self._allocator
 
-    def _grow(self, capacity: int) -> None:
-        old = self._cap
+    def _grow(self, old: int, capacity: int) -> None:
+        """Grow every column from ``old`` to ``capacity`` rows (the allocator's ``on_grow``)."""
         for name, dtype in (("rep", np.float32), ("pres", np.float32), ("freq", np.float32),
                             ("min", np.int64), ("out", np.int64), ("bias", np.bool_),
                             ("pen", np.bool_)):
@@ -92,13 +91,11 @@ class LogitShaping:
                 setattr(self, name, grown)
         for lst in (self._stops, self._bad, self._history, self._matchers):
             lst += [None] * (capacity - old)
-        self._free += range(capacity - 1, old - 1, -1)
-        self._cap = capacity
 
     def _table(self, name: str) -> torch.Tensor:
         t = getattr(self, name)
-        if t.shape[0] < self._cap:
-            t = t.new_zeros(self._cap, self.vocab_size)
+        if t.shape[0] < self._allocator.capacity:
+            t = t.new_zeros(self._allocator.capacity, self.vocab_size)
             setattr(self, name, t)
         return t
 
@@ -114,18 +111,12 @@ class LogitShaping:
         if not (p.shaped or request.bad_words_token_ids):
             return
         ids = range(first_seq_id, first_seq_id + p.num_sequences)
-        if any(s in self._slot for s in ids):
-            raise ValueError(f"sequence ids {ids.start}..{ids.stop - 1} must be new")
         static = static_row(request, self.vocab_size, self.device)
         multi = [(tuple(w[:-1]), w[-1]) for w in request.bad_words_token_ids if len(w) > 1]
         prompt = torch.tensor(request.prompt_token_ids, dtype=torch.int64, device=self.device)
         stops = np.asarray(request.stop_token_ids, np.int64) if p.min_tokens else None
-        if len(self._free) < len(ids):
-            self._grow(max(2 * self._cap, len(self._slot) + len(ids)))
         h = self._host
-        for i, seq_id in enumerate(ids):
-            row = self._free.pop()
-            self._slot[seq_id] = row
+        for i, row in enumerate(self._allocator.add(ids)):
             h["rep"][row], h["pres"][row] = p.repetition_penalty, p.presence_penalty
             h["freq"][row], h["min"][row], h["out"][row] = p.frequency_penalty, p.min_tokens, 0
             h["bias"][row], h["pen"][row] = static is not None, p.penalized
@@ -153,25 +144,19 @@ class LogitShaping:
     def remove(self, seq_ids: Iterable[int]) -> None:
         """Drop the rows of ``seq_ids`` (finished or aborted); ids without a row are
         ignored."""
-        if not self._slot:
+        if not self._allocator:
             return
         for seq_id in seq_ids:
-            row = self._slot.pop(seq_id, None)
+            row = self._allocator.remove(seq_id)
             if row is None:
                 continue
             self._count(row, -1)
             self._stops[row] = self._bad[row] = self._history[row] = None
             self._matchers[row] = None
-            self._free.append(row)
 
     def _rows(self, seq_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         """``(batch rows, shaping rows)`` of the sequences in ``seq_ids`` that shape."""
-        get = self._slot.get
-        found = [(i, r) for i, r in enumerate(map(get, seq_ids.tolist())) if r is not None]
-        if not found:
-            return None
-        pairs = np.array(found, dtype=np.int64)
-        return pairs[:, 0], pairs[:, 1]
+        return self._allocator.find(seq_ids.tolist())
 
     def _t(self, a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(a).to(self.device)
@@ -191,7 +176,7 @@ class LogitShaping:
             ``logits`` itself when no row shapes; else a shaped copy (the raw logits stay
             for logprobs).
         """
-        if not self._slot:
+        if not self._allocator:
             return logits
         found = self._rows(seq_ids)
         if found is None:
@@ -285,7 +270,7 @@ class LogitShaping:
             The sequences whose grammar has terminated (it accepted a stop token) or refused
             the token: the engine core ends them.
         """
-        if not self._slot:
+        if not self._allocator:
             return []
         found = self._rows(seq_ids)
         if found is None:
@@ -319,8 +304,8 @@ class LogitShaping:
 
     def output_len(self, seq_id: int) -> int:
         """Output tokens recorded for ``seq_id`` (for tests)."""
-        return int(self._host["out"][self._slot[seq_id]])
+        return int(self._host["out"][self._allocator.row(seq_id)])
 
     def counts(self, seq_id: int) -> torch.Tensor:
         """``[vocab]`` int32 output-token counts of ``seq_id`` (for tests)."""
-        return self._counts[self._slot[seq_id]].cpu()
+        return self._counts[self._allocator.row(seq_id)].cpu()

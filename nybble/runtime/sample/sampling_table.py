@@ -4,9 +4,10 @@ One row per live sequence (one sample of a request): temperature, top-k, top-p, 
 number of logprobs asked for, and the sample's seeded ``torch.Generator`` if it has one. A
 request's rows are added when the engine core admits it and dropped when each sample finishes
 or is aborted, so nothing is rebuilt from Python lists per step: a step gathers its rows by
-index. The values live in host numpy arrays; on the CPU the sampler reads them in place
-(``torch.from_numpy`` shares the memory), on a GPU a device copy is refreshed only for the
-rows written since the previous step. The table counts its rows that sample randomly and
+index (a :class:`~nybble.runtime.sample.rows.RowAllocator` hands them out). The values live
+in host numpy arrays; on the CPU the sampler reads them in place (``torch.from_numpy`` shares
+the memory), on a GPU a device copy is refreshed only for the rows written since the previous
+step. The table counts its rows that sample randomly and
 those that ask for logprobs, so a step where neither exists builds no tensors at all.
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
+from nybble.runtime.sample.rows import RowAllocator
 from nybble.runtime.sample.sampler import SamplingBatch
 from nybble.sampling_params import SamplingParams, sample_seed
 
@@ -39,8 +41,6 @@ class SamplingTable:
         self.vocab_size = vocab_size
         self.device = device
         self.shared = device.type == "cpu" if share_host_memory is None else share_host_memory
-        self._slot: dict[int, int] = {}            # seq id -> row
-        self._free: list[int] = []
         self._gens: list[torch.Generator | None] = []
         self._num_seeded = 0
         self._num_random = 0                         # rows with temperature > 0
@@ -50,19 +50,19 @@ class SamplingTable:
         self._host: dict[str, np.ndarray] = {}
         self._dev: dict[str, torch.Tensor] = {}
         self._logprobs = np.zeros(0, np.int32)      # -1: none asked (host only)
-        self._grow(capacity)
+        self._allocator = RowAllocator(capacity, self._grow)
 
     def __len__(self) -> int:
         """Rows in use (live sequences)."""
-        return len(self._slot)
+        return len(self._allocator)
 
     def __contains__(self, seq_id: object) -> bool:
-        return seq_id in self._slot
+        return seq_id in self._allocator
 
     @property
     def capacity(self) -> int:
         """Rows allocated (in use or free)."""
-        return len(self._gens)
+        return self._allocator.capacity
 
     @property
     def num_pending_uploads(self) -> int:
@@ -70,8 +70,8 @@ class SamplingTable:
         host memory is shared)."""
         return 0 if self.shared else len(self._dirty)
 
-    def _grow(self, capacity: int) -> None:
-        old = len(self._gens)
+    def _grow(self, old: int, capacity: int) -> None:
+        """Grow every column from ``old`` to ``capacity`` rows (the allocator's ``on_grow``)."""
         for name, dtype in _COLUMNS.items():
             col = np.zeros(capacity, dtype)
             col[:old] = self._host.get(name, col[:0])
@@ -80,7 +80,6 @@ class SamplingTable:
         logprobs[:old] = self._logprobs
         self._logprobs = logprobs
         self._gens += [None] * (capacity - old)
-        self._free += range(capacity - 1, old - 1, -1)   # pop() hands out low rows first
         if self.shared:
             self._dev = {k: torch.from_numpy(v) for k, v in self._host.items()}
         else:   # NOTE: a fresh copy of every column: nothing is pending any more
@@ -100,13 +99,12 @@ class SamplingTable:
         """
         n = params.num_sequences
         ids = range(first_seq_id, first_seq_id + n)
-        if any(s in self._slot for s in ids):
-            raise ValueError(f"sequence ids {ids.start}..{ids.stop - 1} must be new")
         seed = None if params.greedy else params.seed
         gens = [None if seed is None else
                 torch.Generator(device=self.device).manual_seed(sample_seed(seed, i))
                 for i in range(n)]
-        # NOTE: every conversion that can raise comes before the first change (all or nothing)
+        # NOTE: every conversion that can raise comes before the first change (all or nothing;
+        # the allocator checks the ids before it changes anything)
         values = {"temperature": params.temperature, "top_p": params.top_p,
                   "top_k": min(params.top_k, self.vocab_size) if params.top_k > 0 else -1,
                   "min_p": params.min_p}
@@ -116,11 +114,7 @@ class SamplingTable:
         asked = params.logprobs if params.logprobs is not None else \
             0 if n > params.n else None
         num_logprobs = np.int32(-1 if asked is None else asked)
-        if len(self._free) < n:
-            self._grow(max(2 * len(self._gens), len(self._slot) + n))
-        for seq_id, gen in zip(ids, gens):
-            row = self._free.pop()
-            self._slot[seq_id] = row
+        for row, gen in zip(self._allocator.add(ids), gens):
             for name, value in values.items():
                 self._host[name][row] = value
             self._logprobs[row] = num_logprobs
@@ -133,7 +127,7 @@ class SamplingTable:
     def remove(self, seq_ids: Iterable[int]) -> None:
         """Drop the rows of ``seq_ids`` (finished or aborted); unknown ids are ignored."""
         for seq_id in seq_ids:
-            row = self._slot.pop(seq_id, None)
+            row = self._allocator.remove(seq_id)
             if row is None:
                 continue
             self._num_seeded -= self._gens[row] is not None
@@ -141,7 +135,6 @@ class SamplingTable:
             self._num_logprobs -= bool(self._logprobs[row] >= 0)
             self._gens[row] = None
             self._dirty.discard(row)
-            self._free.append(row)
 
     def _upload(self) -> None:
         """Copy the rows written since the last step to the device copy."""
@@ -178,7 +171,7 @@ class SamplingTable:
         if not self._num_random and not self._num_logprobs:
             return self._greedy(-1)
         seqs = seq_ids.tolist()
-        rows = np.fromiter(map(self._slot.__getitem__, seqs), np.int64, len(seqs))
+        rows = self._allocator.rows(seqs, len(seqs))
         max_logprobs = int(self._logprobs[rows].max()) if self._num_logprobs and len(seqs) \
             else -1
         host = self._host

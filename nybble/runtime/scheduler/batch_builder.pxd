@@ -13,7 +13,7 @@ Every field with a leading underscore is private to this class.
 """
 from libc.stdint cimport int32_t, int64_t
 
-from nybble.runtime.scheduler.sequence cimport SeqStore
+from nybble.runtime.scheduler.sequence cimport SlotStore
 
 
 cdef class BatchBuilder:
@@ -86,5 +86,5 @@ cdef class BatchBuilder:
         """Send sample row ``r``'s token to ``slot`` (a forked sibling; -1: nobody)."""
         self.sample_slots[r] = slot
 
-    cdef void build(self, SeqStore* st) noexcept nogil
+    cdef void build(self, SlotStore* st) noexcept nogil
     cdef object view(self)

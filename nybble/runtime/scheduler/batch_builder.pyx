@@ -15,8 +15,8 @@ import numpy as np
 
 from nybble.runtime.scheduler.batch import ScheduledBatch
 
-from nybble.runtime.scheduler.sequence cimport (SeqState, SeqStore, grow_buffer, seq_table,
-                                              seq_tokens)
+from nybble.runtime.scheduler.sequence cimport (SeqState, SlotStore, block_table_row,
+                                                grow_buffer, seq_tokens)
 
 
 cdef class BatchBuilder:
@@ -63,7 +63,7 @@ cdef class BatchBuilder:
         PyMem_Free(self.sample_slots)
         PyMem_Free(self.sample_fork)
 
-    cdef void build(self, SeqStore* st) noexcept nogil:
+    cdef void build(self, SlotStore* st) noexcept nogil:
         """Fill the output buffers for the rows in ``row_slots[0:num_rows]`` of store ``st``."""
         cdef int32_t b, j, i, n, start, pos, slot, t = 0, bs = self._block_size
         cdef int32_t* table
@@ -77,7 +77,7 @@ cdef class BatchBuilder:
             s = &st.seqs[slot]
             n, start = s.num_scheduled, s.num_computed
             tokens = seq_tokens(st, s)
-            table = seq_table(st, slot)
+            table = block_table_row(st, slot)
             for j in range(n):
                 pos = start + j
                 self._input_ids[t] = tokens[pos]

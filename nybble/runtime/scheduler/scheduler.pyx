@@ -55,8 +55,8 @@ from nybble.runtime.scheduler.scheduler_input import check_add, check_sizes
 
 from nybble.runtime.scheduler.block_allocator cimport ALLOC_NO_SPACE, raise_alloc_error
 from nybble.runtime.scheduler.ngram cimport ngram_propose
-from nybble.runtime.scheduler.sequence cimport (FinishReason, SeqState, SeqStore, cdiv, seq_table,
-                                      seq_tokens)
+from nybble.runtime.scheduler.sequence cimport (FinishReason, SeqState, SlotStore,
+                                                block_table_row, cdiv, seq_tokens)
 
 
 cdef enum StepStatus:
@@ -117,7 +117,7 @@ cdef class Scheduler:
         Returns SCHEDULED, NO_SPACE (nothing changed) or an error code."""
         cdef SeqState* s = &self._seqs.st.seqs[slot]
         cdef int32_t src, dst
-        cdef int rc = self._allocator.allocate_slots(seq_table(&self._seqs.st, slot),
+        cdef int rc = self._allocator.allocate_slots(block_table_row(&self._seqs.st, slot),
                                                      &s.num_blocks, s.num_computed, num_new,
                                                      &src, &dst)
         if rc == ALLOC_NO_SPACE:
@@ -145,7 +145,7 @@ cdef class Scheduler:
 
     cdef int _schedule_running(self, int32_t* budget) noexcept nogil:
         """Step 1: running sequences, oldest first. Returns preemptions (>= 0) or an error."""
-        cdef SeqStore* st = &self._seqs.st
+        cdef SlotStore* st = &self._seqs.st
         cdef int32_t i = 0, slot, victim, n, spec = 0, preempted = 0
         cdef int rc
         cdef SeqState* s
@@ -177,7 +177,7 @@ cdef class Scheduler:
 
     cdef int _schedule_waiting(self, int32_t* budget) noexcept nogil:
         """Step 2: admit waiting sequences FCFS (head-of-line). Returns 0 or an error."""
-        cdef SeqStore* st = &self._seqs.st
+        cdef SlotStore* st = &self._seqs.st
         cdef bint caching = self._allocator.enable_prefix_caching
         cdef int32_t k = 0, slot, n, hit = 0
         cdef int rc = SCHEDULED

@@ -3,7 +3,7 @@
 
 Public C surface for the Scheduler (every field with a leading underscore is private):
 
-* ``st``: the SeqStore (per-slot SeqState, block-table rows, token arena, queue storage); the
+* ``st``: the SlotStore (per-slot SeqState, block-table rows, token arena, queue storage); the
   Scheduler reads it and sets ``num_scheduled``; ``find`` maps a seq_id to its slot;
 * the queues: ``st.waiting[0:num_waiting]`` (FCFS, front = index 0) and
   ``st.running[0:num_running]`` (admission order, oldest first), with ``running_weight``;
@@ -16,20 +16,20 @@ from libc.stdint cimport int8_t, int32_t, int64_t
 
 from nybble.runtime.scheduler.batch_builder cimport BatchBuilder
 from nybble.runtime.scheduler.block_allocator cimport BlockAllocator
-from nybble.runtime.scheduler.sequence cimport SeqStore
+from nybble.runtime.scheduler.sequence cimport SlotStore
 
 
 cdef class SequenceTable:
     # field           type            meaning (units)
     # --------------  --------------  -------------------------------------------------------------
-    # st              SeqStore        slots, block tables, token arena, queue storage (public)
+    # st              SlotStore       slots, block tables, token arena, queue storage (public)
     # num_running     int32           running queue length (an unforked group is one entry)
     # num_waiting     int32           waiting queue length (new and preempted)
     # running_weight  int32           sum of num_samples over running (the seq-cap weight)
     # _allocator      BlockAllocator  the KV pool the sequences' blocks come from
     # _max_model_len  int32           context limit L (tokens)
     # _slot_of        dict            seq_id -> slot of every waiting or running sequence
-    cdef SeqStore st
+    cdef SlotStore st
     cdef readonly int32_t num_running
     cdef readonly int32_t num_waiting
     cdef readonly int32_t running_weight

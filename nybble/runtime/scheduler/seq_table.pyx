@@ -1,12 +1,11 @@
 # cython: language_level=3
 """The sequence table: the scheduler's sequences, their queues, and every change of their state.
 
-:class:`SequenceTable` owns the per-sequence C state (a :c:type:`SeqStore`, see sequence.pxd),
-the waiting and running queues and the seq_id -> slot map, and holds the :class:`BlockAllocator`
-its sequences' blocks come from. It carries out what the
-:class:`~nybble.runtime.scheduler.scheduler.Scheduler` decides (vLLM keeps the same split between
-its
-``Scheduler`` and its ``Request`` / request-queue objects):
+:class:`SequenceTable` owns the per-sequence C state (a :c:type:`SlotStore`, see
+sequence.pxd), the waiting and running queues and the seq_id -> slot map, and holds the
+:class:`BlockAllocator` its sequences' blocks come from. It carries out what the
+:class:`~nybble.runtime.scheduler.scheduler.Scheduler` decides (vLLM keeps the same split
+between its ``Scheduler`` and its ``Request`` / request-queue objects):
 
 * ``add``: a new sequence at the back of the waiting queue;
 * ``take_cached_prefix`` + ``admit`` + ``pop_waiting``: admission (running queue, back);
@@ -24,9 +23,9 @@ import numpy as np
 
 from nybble.runtime.scheduler.block_allocator cimport raise_alloc_error
 from nybble.runtime.scheduler.sequence cimport (FinishReason, SEQ_RUNNING, SEQ_WAITING, SeqState,
-                                      SeqStore, append_token, cdiv, seq_table, seq_tokens,
-                                      store_clone, store_dealloc, store_grow, store_new_slot,
-                                      store_release)
+                                                SlotStore, append_token, block_table_row, cdiv,
+                                                seq_tokens, store_clone, store_dealloc,
+                                                store_grow, store_new_slot, store_release)
 
 _STATUS_NAMES = {SEQ_WAITING: "waiting", SEQ_RUNNING: "running"}
 
@@ -150,7 +149,7 @@ cdef class SequenceTable:
         self._slot_of[new_seq_id] = c
         store_clone(&self.st, p, c)
         raise_alloc_error(self._allocator.fork_blocks(
-            seq_table(&self.st, p), seq_table(&self.st, c), self.st.seqs[p].num_blocks),
+            block_table_row(&self.st, p), block_table_row(&self.st, c), self.st.seqs[p].num_blocks),
             self._allocator.err_block)
         self.st.seqs[c].num_blocks = self.st.seqs[p].num_blocks
         self.st.seqs[c].status = SEQ_RUNNING
@@ -217,7 +216,7 @@ cdef class SequenceTable:
         stay findable until evicted); its prefix-hash state restarts at block 0."""
         cdef SeqState* s = &self.st.seqs[slot]
         s.num_hashed, s.last_hash = 0, 0
-        return self._allocator.free_blocks(seq_table(&self.st, slot), &s.num_blocks)
+        return self._allocator.free_blocks(block_table_row(&self.st, slot), &s.num_blocks)
 
     cdef int take_cached_prefix(self, int32_t slot) noexcept nogil:
         """Admission with prefix caching: waiting ``slot`` (no blocks) takes its longest chain
@@ -226,7 +225,7 @@ cdef class SequenceTable:
         cdef SeqState* s = &self.st.seqs[slot]
         cdef int32_t bs = self._allocator.block_size
         cdef int k = self._allocator.get_computed_blocks(
-            seq_tokens(&self.st, s), (s.num_tokens - 1) // bs, seq_table(&self.st, slot),
+            seq_tokens(&self.st, s), (s.num_tokens - 1) // bs, block_table_row(&self.st, slot),
             &s.num_blocks, &s.last_hash)
         if k < 0:
             return k
@@ -271,7 +270,7 @@ cdef class SequenceTable:
         cdef FinishReason fin
         cdef int rc
         cdef SeqState* s
-        cdef SeqStore* st = &self.st
+        cdef SlotStore* st = &self.st
         cdef bint caching = self._allocator.enable_prefix_caching
         # hoisted out of the loops (the compiler cannot prove the batch's arrays unchanged)
         cdef const int32_t* row_slots = batch.row_slots
@@ -285,7 +284,7 @@ cdef class SequenceTable:
                 s.num_scheduled = 0
                 if caching:
                     self._allocator.prefix_cache.cache_full_blocks(
-                        seq_table(st, row_slots[b]), seq_tokens(st, s), s.num_computed,
+                        block_table_row(st, row_slots[b]), seq_tokens(st, s), s.num_computed,
                         &s.num_hashed, &s.last_hash)
         for r in range(batch.num_sampled):
             slot = sample_slots[r]
@@ -324,7 +323,7 @@ cdef class SequenceTable:
 
     cdef void _drop_finished_running(self) noexcept nogil:
         """Drop the finished sequences from the running queue, order kept."""
-        cdef SeqStore* st = &self.st
+        cdef SlotStore* st = &self.st
         cdef int32_t b, r = 0
         for b in range(self.num_running):
             if st.seqs[st.running[b]].status == SEQ_RUNNING:
@@ -347,7 +346,7 @@ cdef class SequenceTable:
         cdef int rc
         cdef bint any_finished = False
         cdef SeqState* s
-        cdef SeqStore* st = &self.st
+        cdef SlotStore* st = &self.st
         cdef bint caching = self._allocator.enable_prefix_caching
         for b in range(batch.num_rows):
             s = &st.seqs[batch.row_slots[b]]
@@ -356,7 +355,7 @@ cdef class SequenceTable:
                 s.num_scheduled = 0
                 if caching:
                     self._allocator.prefix_cache.cache_full_blocks(
-                        seq_table(st, batch.row_slots[b]), seq_tokens(st, s), s.num_computed,
+                        block_table_row(st, batch.row_slots[b]), seq_tokens(st, s), s.num_computed,
                         &s.num_hashed, &s.last_hash)
         for r in range(batch.num_sampled):
             slot = batch.sample_slots[r]
@@ -386,9 +385,9 @@ cdef class SequenceTable:
                 s.num_scheduled = s.num_spec = 0
                 if caching:
                     self._allocator.prefix_cache.cache_full_blocks(
-                        seq_table(st, slot), seq_tokens(st, s), s.num_computed,
+                        block_table_row(st, slot), seq_tokens(st, s), s.num_computed,
                         &s.num_hashed, &s.last_hash)
-                rc = self._allocator.free_tail(seq_table(st, slot), &s.num_blocks,
+                rc = self._allocator.free_tail(block_table_row(st, slot), &s.num_blocks,
                                                cdiv(s.num_tokens, bs))
                 if rc != 0:
                     return rc
@@ -407,7 +406,7 @@ cdef class SequenceTable:
         cdef int32_t slot = self.find(seq_id)
         if slot < 0:
             raise KeyError(f"`seq_id` must be a waiting or running sequence, got {seq_id}")
-        cdef int32_t* table = seq_table(&self.st, slot)
+        cdef int32_t* table = block_table_row(&self.st, slot)
         return np.array([table[k] for k in range(self.st.seqs[slot].num_blocks)], np.int32)
 
     def debug_state(self) -> dict:

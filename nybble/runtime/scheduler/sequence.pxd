@@ -1,15 +1,15 @@
 # cython: language_level=3
 """Per-sequence C state of the scheduler: the finish codes, structs and inline helpers.
 
-A sequence lives in one slot of a :c:type:`SeqStore` (struct arrays with capacity doubling,
-sklearn's ``Node*`` + ``safe_realloc`` pattern), owned by a
-:class:`~nybble.runtime.scheduler.seq_table.SequenceTable`. Its token ids live in the store's flat
-int32
-arena in one region ``[stop ids (num_stop) | token ids (cap_tokens)]``; its block table is row
-``slot`` of ``tables`` (int32[cap, max_blocks], padding -1). The helpers are compiled into each
-module that cimports them (seq_table, scheduler, batch_builder); the ``store_*`` functions
-that may allocate hold the GIL, the rest are ``noexcept nogil``. sequence.pyx makes
-:class:`FinishReason` importable from Python.
+A sequence lives in one slot of a :c:type:`SlotStore` (the per-slot arrays: struct arrays with
+capacity doubling, sklearn's ``Node*`` + ``safe_realloc`` pattern), owned by a
+:class:`~nybble.runtime.scheduler.seq_table.SequenceTable`. Its token ids live in the store's
+flat int32 arena in one region ``[stop ids (num_stop) | token ids (cap_tokens)]``; its block
+table is row ``slot`` of ``tables`` (int32[cap, max_blocks], padding -1;
+:c:func:`block_table_row`). The helpers are compiled into each module that cimports them
+(seq_table, scheduler, batch_builder); the ``store_*`` functions that may allocate hold the
+GIL, the rest are ``noexcept nogil``. sequence.pyx makes :class:`FinishReason` importable
+from Python.
 """
 from cpython.mem cimport PyMem_Free, PyMem_Realloc
 from libc.stdint cimport int32_t, int64_t, uint64_t
@@ -72,7 +72,7 @@ ctypedef struct SeqState:
     uint64_t last_hash
     int32_t skip_cache
 
-ctypedef struct SeqStore:
+ctypedef struct SlotStore:
     # field        type            meaning (units)
     # -----------  --------------  ---------------------------------------------------------
     # seqs         SeqState[cap]   per-slot state
@@ -111,17 +111,17 @@ cdef inline int64_t region_size(SeqState* s) noexcept nogil:
     return <int64_t> s.num_stop + s.cap_tokens
 
 
-cdef inline int32_t* seq_tokens(SeqStore* st, SeqState* s) noexcept nogil:
+cdef inline int32_t* seq_tokens(SlotStore* st, SeqState* s) noexcept nogil:
     """Token ids of ``s`` (num_tokens valid, cap_tokens capacity)."""
     return st.arena + s.region_off + s.num_stop
 
 
-cdef inline int32_t* seq_table(SeqStore* st, int32_t slot) noexcept nogil:
+cdef inline int32_t* block_table_row(SlotStore* st, int32_t slot) noexcept nogil:
     """Block-table row of ``slot`` (num_blocks valid, then -1)."""
     return st.tables + slot * st.max_blocks
 
 
-cdef inline FinishReason append_token(SeqStore* st, SeqState* s, int32_t token,
+cdef inline FinishReason append_token(SlotStore* st, SeqState* s, int32_t token,
                                       int32_t max_model_len) noexcept nogil:
     """Append a sampled ``token`` to ``s``: STOPPED when it is one of its stop ids, else LENGTH
     once max_tokens are generated or max_model_len is reached, else NONE (vLLM's check_stop)."""
@@ -144,7 +144,7 @@ cdef inline void* grow_buffer(void* ptr, size_t nbytes) except NULL:
     return out
 
 
-cdef inline int store_grow(SeqStore* st) except -1:
+cdef inline int store_grow(SlotStore* st) except -1:
     """Double the slot capacity (16 at first) of every per-slot array."""
     cdef int32_t old = st.cap, new = 2 * st.cap if st.cap else 16
     cdef int64_t i
@@ -163,7 +163,7 @@ cdef inline int store_grow(SeqStore* st) except -1:
     return 0
 
 
-cdef inline int64_t store_arena_alloc(SeqStore* st, int64_t size) except -1:
+cdef inline int64_t store_arena_alloc(SlotStore* st, int64_t size) except -1:
     """Bump-allocate ``size`` elements; when full, copy live regions into a buffer of
     ``max(cap, 2 * (live + size))`` (amortized O(1) per element, at least half free after)."""
     cdef int64_t new_cap, off = 0, n
@@ -186,7 +186,7 @@ cdef inline int64_t store_arena_alloc(SeqStore* st, int64_t size) except -1:
     return off
 
 
-cdef inline int32_t store_new_slot(SeqStore* st, int64_t seq_id, int64_t num_stop,
+cdef inline int32_t store_new_slot(SlotStore* st, int64_t seq_id, int64_t num_stop,
                                    int64_t cap_tokens) except -1:
     """Take a slot (status WAITING, everything else zero) with a fresh arena region."""
     cdef int64_t off = store_arena_alloc(st, num_stop + cap_tokens)
@@ -203,7 +203,7 @@ cdef inline int32_t store_new_slot(SeqStore* st, int64_t seq_id, int64_t num_sto
     return slot
 
 
-cdef inline void store_release(SeqStore* st, int32_t slot) noexcept nogil:
+cdef inline void store_release(SlotStore* st, int32_t slot) noexcept nogil:
     """Return ``slot`` (its blocks already freed, table row all -1) and its arena region."""
     st.arena_live -= region_size(&st.seqs[slot])
     if st.arena_live == 0:
@@ -213,20 +213,21 @@ cdef inline void store_release(SeqStore* st, int32_t slot) noexcept nogil:
     st.num_free += 1
 
 
-cdef inline void store_clone(SeqStore* st, int32_t parent, int32_t child) noexcept nogil:
+cdef inline void store_clone(SlotStore* st, int32_t parent, int32_t child) noexcept nogil:
     """Make ``child`` (fresh slot, same region size) a copy of ``parent`` after the in-flight
     step: same tokens, stop ids and limits, ``num_computed`` advanced by the scheduled tokens.
     The block table is the caller's (it must incref what it shares)."""
     cdef SeqState* p = &st.seqs[parent]
     cdef SeqState* c = &st.seqs[child]
-    c.num_prompt_tokens, c.num_tokens, c.max_tokens = p.num_prompt_tokens, p.num_tokens, p.max_tokens
+    c.num_prompt_tokens, c.num_tokens = p.num_prompt_tokens, p.num_tokens
+    c.max_tokens = p.max_tokens
     c.num_computed = p.num_computed + p.num_scheduled
     c.num_hashed, c.last_hash, c.skip_cache = p.num_hashed, p.last_hash, p.skip_cache
     memcpy(st.arena + c.region_off, st.arena + p.region_off,
            (p.num_stop + p.num_tokens) * sizeof(int32_t))
 
 
-cdef inline void store_dealloc(SeqStore* st) noexcept:
+cdef inline void store_dealloc(SlotStore* st) noexcept:
     """Free every buffer of the store."""
     PyMem_Free(st.seqs)
     PyMem_Free(st.free_slots)

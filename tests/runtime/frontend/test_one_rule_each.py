@@ -1,0 +1,87 @@
+"""The KV-fit rule (:func:`check_kv_fit`) and the ``min_tokens`` rule (:func:`check_min_tokens`)
+are each written once: the gate and the scheduler refuse by the same function, at the same
+boundary, with the same wording."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from nybble import SamplingParams
+from nybble.config import DEFAULT_MODEL
+from nybble.errors import InvalidRequestError, KVCacheExhaustedError
+from nybble.runtime.frontend.input_processor import InputProcessor, ParamNames, RequestLimits
+from nybble.runtime.frontend.shaping_checks import check_min_tokens
+from nybble.runtime.scheduler.reference_scheduler import ReferenceScheduler
+from nybble.runtime.scheduler.scheduler import Scheduler
+from nybble.runtime.scheduler.scheduler_input import check_kv_fit
+from nybble.tokenizer.tokenizer import Tokenizer
+
+CHAT = ParamNames(prompt="messages", max_tokens="max_completion_tokens", logprobs="top_logprobs")
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return Tokenizer.from_folder(DEFAULT_MODEL)
+
+
+def test_kv_fit_boundary_and_message() -> None:
+    # 4 blocks x 4 tokens: 16 tokens fit, 17 do not; the total is capped at max_model_len
+    assert check_kv_fit(10, 6, 64, 4, 4) == 16
+    assert check_kv_fit(10, 100, 16, 4, 4) == 16
+    with pytest.raises(KVCacheExhaustedError) as e:
+        check_kv_fit(10, 7, 64, 4, 4, subject="request 3", max_tokens_name="max_new")
+    assert str(e.value) == ("request 3 needs 5 KV blocks (min(prompt 10 + max_new 7, "
+                            "max_model_len 64) = 17 tokens at 4 per block), but the KV cache "
+                            "holds only 4 blocks")
+    assert e.value.param == "max_new"
+    # beams advance together: each needs its own blocks
+    assert check_kv_fit(4, 4, 64, 4, 4, num_sequences=2) == 8
+    with pytest.raises(KVCacheExhaustedError, match=r"^the request needs 6 KV blocks \(3 beams x"):
+        check_kv_fit(4, 4, 64, 4, 4, num_sequences=3)
+
+
+@pytest.mark.parametrize("impl", [Scheduler, ReferenceScheduler])
+def test_gate_and_scheduler_refuse_at_the_same_boundary(tok: Tokenizer, impl: type) -> None:
+    gate = InputProcessor(tok, RequestLimits(64, 512, 8, 20, 4, 4), (2,))
+    sched = impl(4, 4, 8, 64, 64)
+    prompt = np.arange(3, 13, dtype=np.int32)
+    gate.process("ok", prompt.tolist(), SamplingParams(max_tokens=6))
+    sched.add(0, prompt, 6)
+    with pytest.raises(KVCacheExhaustedError) as at_gate:
+        gate.process("no", prompt.tolist(), SamplingParams(max_tokens=7))
+    with pytest.raises(KVCacheExhaustedError) as at_scheduler:
+        sched.add(1, prompt, 7)
+    tail = str(at_scheduler.value).removeprefix("request 1")
+    assert str(at_gate.value) == "the request" + tail
+    assert at_gate.value.param == at_scheduler.value.param == "max_tokens"
+
+
+def test_min_tokens_rule() -> None:
+    check_min_tokens(0, 0)
+    check_min_tokens(5, 5)
+    check_min_tokens(10**6, None)             # no budget yet: only the lower bound
+    for bad, budget in ((6, 5), (-1, None), (True, 5), (1.0, 5), ("1", None)):
+        with pytest.raises(InvalidRequestError) as e:
+            check_min_tokens(bad, budget)
+        assert e.value.param == "min_tokens"
+    with pytest.raises(InvalidRequestError, match=r"^min_tokens must be an integer in "
+                       r"\[0, max_completion_tokens \(5\)\], got 6$"):
+        check_min_tokens(6, 5, "max_completion_tokens")
+    with pytest.raises(InvalidRequestError, match=r"^min_tokens must be an integer >= 0, "
+                       r"got -1$"):
+        check_min_tokens(-1, None)
+
+
+def test_the_gate_checks_min_tokens_against_the_given_and_the_resolved_budget(
+        tok: Tokenizer) -> None:
+    gate = InputProcessor(tok, RequestLimits(512, 512, 8, 20, 64, 16), (2,))
+    with pytest.raises(InvalidRequestError, match=r"\[0, max_completion_tokens \(4\)\]") as e:
+        gate.check_params(SamplingParams(max_tokens=4, min_tokens=5), CHAT)
+    assert e.value.param == "min_tokens"
+    # no max_tokens: the rest of the context (500 tokens here) is the budget
+    gate.process("r", [1] * 12, SamplingParams(max_tokens=None, min_tokens=500))
+    with pytest.raises(InvalidRequestError, match=r"\[0, max_completion_tokens \(500\)\], "
+                       r"got 501") as e:
+        gate.process("r", [1] * 12, SamplingParams(max_tokens=None, min_tokens=501),
+                     names=CHAT)
+    assert e.value.param == "min_tokens"
