@@ -6,16 +6,11 @@ processed on the recorded hidden states of all calibration sequences at once
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
-
-BUILTIN_CALIB = os.path.join(os.path.dirname(__file__), "calib_text.txt")
-"""Short calibration text written for nybble (used when ``--calib`` is not given)."""
-
 
 def calibration_ids(tokenizer: Any, text: str, num_samples: int, seq_len: int,
                     bos_id: int | None) -> torch.Tensor:

@@ -138,7 +138,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                         "divides, recorded per module in the config")
     q.add_argument("--damp-percent", type=float, default=0.01,
                    help="GPTQ dampening, fraction of the mean Hessian diagonal")
-    q.add_argument("--calib", help="calibration text file (default: built-in text)")
+    q.add_argument("--calib", help="calibration text file, blank-line separated documents "
+                   "(default: text sampled from the model itself, enough tokens for the method: "
+                   "4 per input channel of the widest layer, at least 2048)")
     q.add_argument("--num-samples", type=int, default=128,
                    help="at most this many calibration sequences")
     q.add_argument("--seq-len", type=int, default=512,

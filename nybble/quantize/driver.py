@@ -16,6 +16,7 @@ set order.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import re
 import time
@@ -27,7 +28,6 @@ from torch import nn
 from tqdm import tqdm
 
 from nybble.quantize.calibration import (
-    BUILTIN_CALIB,
     calibration_ids,
     capture_first_layer_inputs,
 )
@@ -43,6 +43,8 @@ from nybble.quantize.gptq import GPTQResult
 from nybble.quantize.layer_quant import (LAYER_METHODS, LINEARS, LayerOptions, LinearOutcome,
                                          group_size_for)
 from nybble.quantize.rtn import rtn_quantize
+from nybble.quantize.sampled_calibration import (REPORT_TOKENS, SEED, calibration_need,
+                                                  sample_calibration_ids)
 from nybble.quantize.report import (
     build_report,
     checkpoint_tensor_bytes,
@@ -67,8 +69,9 @@ class QuantizeOptions:
         sym: symmetric grid (RTN/GPTQ/GPTQ-E2E; AWQ is always asymmetric).
         desc_act / static_groups / damp_percent: GPTQ act order (None: on for ``gptq-e2e``,
             off otherwise), static groups, dampening (fraction of the mean Hessian diagonal).
-        calib_text: calibration text (None: the built-in text); calib_source names it in the
-            report. num_samples, seq_len: at most this many sequences of this many tokens.
+        calib_text: calibration text (None: text sampled from the model itself,
+            :mod:`nybble.quantize.sampled_calibration`); calib_source names it in the report.
+            num_samples, seq_len: at most this many sequences of this many tokens.
         duo_scaling / clip: AWQ scale formula (True: AutoAWQ's, False: the paper's, "both":
             search both) and clipping search.
         tune: GPTQ-E2E scale tuning (steps, batch, learning rate).
@@ -212,26 +215,46 @@ def group_overrides(regrouped: dict[str, int]) -> dict[str, dict[str, int]]:
     return out
 
 
+def _calibration(model: nn.Module, model_dir: str, opts: QuantizeOptions,
+                 names_per_layer: list[list[str]]) -> tuple[torch.Tensor, dict[str, Any]]:
+    """The calibration windows ``[S, L]`` and their report entry: the user's text, or text
+    sampled from the model (:mod:`nybble.quantize.sampled_calibration`); a warning when they
+    hold fewer tokens than the method needs."""
+    from transformers import AutoTokenizer
+
+    widest = max((layer.get_submodule(n).in_features
+                  for layer, names in zip(model.model.layers, names_per_layer) for n in names),
+                 default=0)
+    need = calibration_need(opts.method, widest)
+    seq_len = min(opts.seq_len, getattr(model.config, "max_position_embeddings", opts.seq_len))
+    if opts.calib_text is None:
+        ids = sample_calibration_ids(model, max(need, REPORT_TOKENS), seq_len, opts.num_samples)
+        source, digest = (f"sampled from the model (seed {SEED}, temperature 1, from BOS)",
+                          hashlib.sha256(ids.numpy().tobytes()).hexdigest())
+    else:
+        text, source = opts.calib_text, opts.calib_source or "calib_text"
+        ids = calibration_ids(AutoTokenizer.from_pretrained(model_dir), text, opts.num_samples,
+                              seq_len, model.config.bos_token_id)
+        digest = text_sha256(text)
+    calibration = {"source": source, "sha256": digest, "sequences": ids.shape[0],
+                   "seq_len": ids.shape[1], "tokens": ids.numel(), "tokens_needed": need}
+    if ids.numel() < need:
+        logger.warning("calibration has %d tokens, fewer than the %d that %s needs here (4 per "
+                       "input channel of the widest Linear, %d, and at least 2048): give more "
+                       "text with --calib or raise --num-samples / --seq-len", ids.numel(),
+                       need, opts.method, widest)
+    return ids, calibration
+
+
 @torch.no_grad()
 def _run(model: nn.Module, model_dir: str, opts: QuantizeOptions, progress: bool
          ) -> tuple[dict[str, GPTQResult], dict[str, float], dict[str, str], dict[str, Any],
                     dict[str, Any] | None, dict[str, int]]:
-    from transformers import AutoTokenizer
-
     from nybble.quantize.hf_model import load_model
 
     layers = model.model.layers
     names_per_layer, skipped, regrouped = _packable(layers, opts)
-    if opts.calib_text is None:
-        with open(BUILTIN_CALIB, encoding="utf-8") as f:
-            text, source = f.read(), "built-in"
-    else:
-        text, source = opts.calib_text, opts.calib_source or "calib_text"
-    seq_len = min(opts.seq_len, getattr(model.config, "max_position_embeddings", opts.seq_len))
-    ids = calibration_ids(AutoTokenizer.from_pretrained(model_dir), text, opts.num_samples,
-                          seq_len, model.config.bos_token_id)
-    calibration = {"source": source, "sha256": text_sha256(text), "sequences": ids.shape[0],
-                   "seq_len": ids.shape[1], "tokens": ids.numel()}
+    ids, calibration = _calibration(model, model_dir, opts, names_per_layer)
     hidden, kw = capture_first_layer_inputs(model, ids)
     fn, lo = LAYER_METHODS[opts.method], opts.layer_options()
     outcomes: dict[str, LinearOutcome] = {}

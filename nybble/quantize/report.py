@@ -93,7 +93,9 @@ def _readme(r: dict[str, Any]) -> str:
                      f"{ppl['before']:.4f} | {ppl['after']:.4f} |")
     cal = r.get("calibration")
     lines += ["", f"Calibration: {cal['tokens']:,} tokens in {cal['sequences']} sequences of "
-              f"{cal['seq_len']} from `{cal['source']}` (sha256 `{cal['sha256'][:16]}`)."
+              f"{cal['seq_len']} from `{cal['source']}` (sha256 `{cal['sha256'][:16]}`)"
+              + (f"; the method needs {cal['tokens_needed']:,}." if cal.get("tokens_needed")
+                 else ".")
               if cal else "Calibration: none.",
               f"Quantization wall time: {r['wall_time_s']:.1f} s "
               f"({r.get('threads', 1)} torch thread(s)).", ""]

@@ -75,7 +75,8 @@ def test_cli_quantize_and_eval(tmp_path: str, capsys: pytest.CaptureFixture[str]
     assert a.func(a) == 0
     printed = json.loads(capsys.readouterr().out)
     report = json.load(open(os.path.join(out, "quantization_report.json")))
-    assert report["perplexity"]["text"] == text and report["calibration"]["source"] == "built-in"
+    assert report["perplexity"]["text"] == text and report["calibration"]["source"].startswith(
+        "sampled from the model")
     assert printed["summary"].startswith("quantized by nybble ") and "rtn 8-bit g32" in printed[
         "summary"]
     a = p.parse_args(["eval-ppl", out, "--text", text, "--quantization", "gptq"])
