@@ -25,13 +25,23 @@ REPORT_FILE = "quantization_report.json"
 SCHEMA_VERSION = 1
 
 
+def report_path(model: str) -> str:
+    """Where the report of ``model`` lives: ``REPORT_FILE`` inside a model folder;
+    ``NAME.quantization_report.json`` beside a ``NAME.gguf`` file (``nybble quantize --format
+    gguf``)."""
+    if model.lower().endswith(".gguf"):
+        return f"{model[:-len('.gguf')]}.{REPORT_FILE}"
+    return os.path.join(model, REPORT_FILE)
+
+
 def read_report(model_dir: str) -> dict[str, Any] | None:
-    """The parsed report of ``model_dir``, or None when the folder has none.
+    """The parsed report of ``model_dir`` (a folder or a ``.gguf`` file,
+    :func:`report_path`), or None when there is none.
 
     Raises:
         ValueError: the file exists but is not a JSON object of a known schema version.
     """
-    path = os.path.join(model_dir, REPORT_FILE)
+    path = report_path(model_dir)
     if not os.path.isfile(path):
         return None
     try:

@@ -15,14 +15,24 @@ from nybble.threads import add_threads_arg
 logger = logging.getLogger(__name__)
 
 
-def check_out_dir(model_dir: str, out_dir: str) -> None:
-    """Refuse an output folder that would overwrite the source model (checked before
-    anything is written or imported).
+def check_out_dir(model_dir: str, out_dir: str, fmt: str = "hf") -> None:
+    """Refuse an output that would overwrite the source model or that does not fit the
+    format (checked before anything is written or imported). ``hf``: ``out_dir`` is a folder
+    outside the source folder, not named ``*.gguf``; ``gguf``: it is the ``.gguf`` file to
+    write (not a folder).
 
     Raises:
-        ValueError: ``out_dir`` is the model folder or inside it, or is a file.
+        ValueError: any of these fails.
     """
     src, out = os.path.realpath(model_dir), os.path.realpath(out_dir)
+    if fmt == "gguf":
+        if not out_dir.lower().endswith(".gguf") or os.path.isdir(out):
+            raise ValueError(f"with --format gguf, --out must be the .gguf file to write "
+                             f"(e.g. --out OUT/MODEL-Q4_0.gguf), got {out_dir!r}")
+        return
+    if out_dir.lower().endswith(".gguf"):
+        raise ValueError(f"--out {out_dir!r} names a .gguf file: add --format gguf to write "
+                         f"one, or name a folder for the Hugging Face (GPTQ/AWQ) layout")
     if out == src or out.startswith(src + os.sep):
         raise ValueError(f"--out must be a folder outside the source model folder {model_dir!r} "
                          f"(its weights would be overwritten), got {out_dir!r}")
@@ -48,9 +58,9 @@ def summary_line(summary: dict, group_size: int, lm_head: bool, out: str) -> str
 
 def _quantize(args: argparse.Namespace) -> int:
     check_model_dir(args.model)
-    check_out_dir(args.model, args.out)
+    check_out_dir(args.model, args.out, args.format)
     setup_threads(args.threads)  # NOTE: before torch is imported (next lines)
-    from nybble.quant.report import REPORT_FILE, summarize_report
+    from nybble.quant.report import report_path, summarize_report
     from nybble.quantize.driver import QuantizeOptions, quantize_model
     from nybble.quantize.e2e import TuneOptions
 
@@ -73,12 +83,12 @@ def _quantize(args: argparse.Namespace) -> int:
                                ("lr", args.tune_lr)) if v is not None}),
                            eval_text=read(args.eval_text), eval_source=args.eval_text,
                            lm_head=args.quantize_lm_head,
-                           allow_unquantized=args.allow_unquantized)
+                           allow_unquantized=args.allow_unquantized, format=args.format)
     summary = quantize_model(args.model, args.out, opts)
     print(summary_line(summary, opts.group_size, opts.lm_head, args.out), file=sys.stderr)
     print(json.dumps({"out": args.out, "quantized": len(summary["quantized"]),
                       "skipped": summary["skipped"], "regrouped": summary["regrouped"],
-                      "report": REPORT_FILE,
+                      "report": os.path.basename(report_path(args.out)),
                       "summary": summarize_report(args.out),
                       "quantization_config": summary["config"]}, indent=2))
     return 0
@@ -107,7 +117,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         description="Quantize a Hugging Face Llama-family folder layer by layer on calibration "
                     "text and write a complete model folder in the GPTQ or AWQ format that "
                     "`nybble serve` loads, with quantization_report.json and a README.md "
-                    "table beside the weights. The same inputs and thread count give "
+                    "table beside the weights (or, with --format gguf, one GGUF file for "
+                    "llama.cpp and nybble). The same inputs and thread count give "
                     "byte-identical files; quantizing runs on one thread unless --threads "
                     "is given.")
     q.add_argument("model", help="source model folder (Hugging Face Llama)")
@@ -123,7 +134,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                    help="symmetric grid (RTN/GPTQ/GPTQ-E2E), written as AutoGPTQ's v1 "
                         "gptq; without it, gptq_v2 (GPTQModel's)")
     q.add_argument("--desc-act", action=argparse.BooleanOptionalAction, default=None,
-                   help="GPTQ act order (default: on for gptq-e2e, off for gptq)")
+                   help="GPTQ act order (default: on for gptq-e2e, off for gptq and with "
+                        "--format gguf)")
     q.add_argument("--static-groups", action="store_true", help="GPTQ static groups")
     q.add_argument("--quantize-lm-head", action="store_true",
                    help="also quantize the output head: RTN symmetric INT8 at --group-size (32 "
@@ -134,8 +146,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                         "quantized with these settings (they stay dense); without it that "
                         "is an error and nothing is written. A group size that does not "
                         "divide a Linear's inputs is not such a case (except in AWQ's 4-bit "
-                        "format): that Linear gets the largest multiple of 8 below it that "
-                        "divides, recorded per module in the config")
+                        "format and with --format gguf): that Linear gets the largest "
+                        "multiple of 8 below it that divides, recorded per module in the "
+                        "config")
     q.add_argument("--damp-percent", type=float, default=0.01,
                    help="GPTQ dampening, fraction of the mean Hessian diagonal")
     q.add_argument("--calib", help="calibration text file, blank-line separated documents "
@@ -155,7 +168,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                                                  "log-scales (default: 0.002)")
     q.add_argument("--eval-text", help="held-out text (blank-line separated paragraphs): "
                                        "perplexity before and after goes into the report")
-    q.add_argument("--out", required=True, help="output model folder")
+    q.add_argument("--format", choices=["hf", "gguf"], default="hf",
+                   help="hf: a Hugging Face model folder (GPTQ, or AutoAWQ for 4-bit awq); "
+                        "gguf: one GGUF file that llama.cpp and `nybble serve` load, "
+                        "nybble's integer codes as they are: --group-size 32 only, 4-bit --sym -> "
+                        "Q4_0, 4-bit asymmetric (awq too) -> Q4_1 (its per-block minimum "
+                        "-scale*zero rounded to fp16, the one rounding), 8-bit --sym -> Q8_0; "
+                        "no act order unless with --static-groups; 8-bit asymmetric is "
+                        "refused. Checked before quantizing")
+    q.add_argument("--out", required=True,
+                   help="output model folder; with --format gguf the .gguf file to write "
+                        "(e.g. OUT/MODEL-Q4_0.gguf), its quality report beside it as "
+                        "MODEL-Q4_0.quantization_report.json")
     add_threads_arg(q, "1, so the same inputs give byte-identical files")
     q.set_defaults(func=_quantize)
 

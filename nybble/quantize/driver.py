@@ -7,7 +7,8 @@ output width is not a multiple of the packing factor) stay dense and are listed 
 ``modules_to_not_convert``. Output layout: RTN/GPTQ/GPTQ-E2E -> GPTQ (v1 when symmetric,
 ``gptq_v2`` when asymmetric); AWQ 4-bit -> AutoAWQ GEMM; AWQ 8-bit (no AWQ layout exists) ->
 ``gptq_v2`` asymmetric with AWQ's grid. Beside the weights: ``quantization_report.json`` and a
-``README.md`` table (:mod:`nybble.quantize.report`).
+``README.md`` table (:mod:`nybble.quantize.report`). With ``format="gguf"`` one GGUF file is
+written instead (:mod:`nybble.quantize.gguf_export`), its report beside it.
 
 NOTE: deterministic. The same inputs and ``threads`` give byte-identical weight files: torch's
 CPU reductions and GEMMs split their sums by thread count, so the count is pinned for the run
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import re
 import time
 from dataclasses import dataclass, field
@@ -27,6 +29,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from nybble import __version__
 from nybble.quantize.calibration import (
     calibration_ids,
     capture_first_layer_inputs,
@@ -39,6 +42,7 @@ from nybble.quantize.export import (
     write_model_folder,
 )
 from nybble.quantize.e2e import TuneOptions, tune_scales
+from nybble.quantize.gguf_export import check_gguf_config, check_gguf_options, write_gguf
 from nybble.quantize.gptq import GPTQResult
 from nybble.quantize.layer_quant import (LAYER_METHODS, LINEARS, LayerOptions, LinearOutcome,
                                          group_size_for)
@@ -57,6 +61,7 @@ from nybble.quantize.report import (
 logger = logging.getLogger(__name__)
 
 METHODS = tuple(LAYER_METHODS)
+FORMATS = ("hf", "gguf")
 
 
 @dataclass
@@ -83,6 +88,10 @@ class QuantizeOptions:
             embedding stays float for the lookup and the config is untied).
         allow_unquantized: write the checkpoint even when some decoder Linears cannot be
             quantized with these settings (they stay dense); without it that is an error.
+        format: ``hf`` (a model folder, GPTQ or AWQ layout) or ``gguf`` (one GGUF file,
+            :mod:`nybble.quantize.gguf_export`: group size 32, no act order unless with static
+            groups, not 8-bit asymmetric; checked here, before any work; act order defaults
+            to off; no per-module group-size fallback, such Linears stay dense).
 
     A Linear whose input width ``group_size`` does not divide is quantized with the largest
     multiple of 8 below it that does (:func:`~nybble.quantize.layer_quant.group_size_for`),
@@ -109,6 +118,7 @@ class QuantizeOptions:
     eval_source: str | None = None
     lm_head: bool = False
     allow_unquantized: bool = False
+    format: str = "hf"
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -125,8 +135,13 @@ class QuantizeOptions:
             if self.lm_head:
                 raise ValueError("lm_head quantization writes a GPTQ-format head: use method "
                                  "rtn, gptq or gptq-e2e (AutoAWQ's format has no lm_head)")
+        if self.format not in FORMATS:
+            raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {self.format!r}")
         if self.desc_act is None:
-            self.desc_act = self.method == "gptq-e2e"
+            self.desc_act = self.method == "gptq-e2e" and self.format != "gguf"
+        if self.format == "gguf":
+            check_gguf_options(self.bits, self.group_size, self.sym, self.desc_act,
+                               self.static_groups)
 
     @property
     def awq_layout(self) -> bool:
@@ -167,7 +182,7 @@ def _packable(layers: nn.ModuleList, opts: QuantizeOptions
         ok = []
         for n in LINEARS:
             lin = layer.get_submodule(n)
-            gs = opts.group_size if opts.awq_layout else (
+            gs = opts.group_size if opts.awq_layout or opts.format == "gguf" else (
                 group_size_for(lin.in_features, opts.group_size) or opts.group_size)
             why = skip_reason(lin, opts.bits, gs)
             if why is None:
@@ -185,10 +200,12 @@ def _packable(layers: nn.ModuleList, opts: QuantizeOptions
     if skipped and not opts.allow_unquantized:
         name, why = next(iter(skipped.items()))
         other = " or a method written as GPTQ (rtn, gptq)" if opts.awq_layout else ""
+        hint = ("GGUF blocks hold 32 weights, so" if opts.format == "gguf" else
+                f"choose another --group-size{other}, or")
         raise ValueError(
             f"{len(skipped)} of {len(skipped) + sum(map(len, names_per_layer))} linear layers "
-            f"cannot be quantized with these settings ({name}: {why}); choose another "
-            f"--group-size{other}, or pass --allow-unquantized to leave them dense")
+            f"cannot be quantized with these settings ({name}: {why}); {hint} pass "
+            f"--allow-unquantized to leave them dense")
     for name, why in skipped.items():
         logger.warning("leaving %s unquantized: %s", name, why)
     return names_per_layer, skipped, regrouped
@@ -283,16 +300,27 @@ HEAD = "lm_head"
 HEAD_BITS = 8
 
 
+def head_group_size(hidden: int, opts: QuantizeOptions) -> int:
+    """The group size of a quantized output head: the run's (32 for a per-channel run), or
+    one group per row when that does not divide ``hidden``."""
+    gs = opts.group_size if opts.group_size != -1 else 32
+    return hidden if hidden % gs else gs
+
+
+def lm_head_result(model: nn.Module, opts: QuantizeOptions) -> GPTQResult:
+    """The output head quantized RTN, symmetric, :data:`HEAD_BITS` bits,
+    :func:`head_group_size`."""
+    w = model.get_output_embeddings().weight.detach().float()
+    return rtn_quantize(w, HEAD_BITS, head_group_size(w.shape[1], opts), sym=True)
+
+
 def quantized_lm_head(model: nn.Module, opts: QuantizeOptions, v2: bool
                       ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The output head as GPTQ tensors (RTN, symmetric, :data:`HEAD_BITS` bits, the run's
-    group size or 32 for a per-channel run) and the ``dynamic`` override that tells a loader
-    its settings where they differ from the layers' (empty when they do not)."""
-    w = model.get_output_embeddings().weight.detach().float()
-    gs = opts.group_size if opts.group_size != -1 else 32
-    if w.shape[1] % gs:
-        gs = w.shape[1]
-    res = rtn_quantize(w, HEAD_BITS, gs, sym=True)
+    """The output head as GPTQ tensors (:func:`lm_head_result`) and the ``dynamic`` override
+    that tells a loader its settings where they differ from the layers' (empty when they do
+    not)."""
+    res = lm_head_result(model, opts)
+    gs = int(res.q.shape[1] // res.scale.shape[1])
     over = {k: v for k, v in (("bits", HEAD_BITS), ("group_size", gs), ("sym", True),
                               ("desc_act", False))
             if v != {"bits": opts.bits, "group_size": opts.group_size, "sym": opts.sym,
@@ -300,18 +328,78 @@ def quantized_lm_head(model: nn.Module, opts: QuantizeOptions, v2: bool
     return pack_gptq(res, HEAD_BITS, v2), over
 
 
-def _perplexity(model_dir: str, text: str) -> dict[str, float]:
+def _perplexity(model: str, text: str, tokenizer_dir: str | None = None) -> dict[str, float]:
     from transformers import AutoTokenizer
 
     from nybble.quantize.eval_ppl import nybble_logits_fn, perplexity
 
-    return perplexity(nybble_logits_fn(model_dir), AutoTokenizer.from_pretrained(model_dir), text)
+    return perplexity(nybble_logits_fn(model),
+                      AutoTokenizer.from_pretrained(tokenizer_dir or model), text)
+
+
+def _write_folder(model: nn.Module, model_dir: str, out_dir: str, opts: QuantizeOptions,
+                  results: dict[str, GPTQResult], skipped: list[str],
+                  regrouped: dict[str, int]) -> tuple[dict[str, Any], int]:
+    """Write the GPTQ / AWQ model folder: ``(quantization_config, packed linear bytes)``."""
+    awq_layout = opts.awq_layout
+    v2 = not opts.sym
+    qtensors = {p: (pack_awq(r) if awq_layout else pack_gptq(r, opts.bits, v2))
+                for p, r in results.items()}
+    cfg = (awq_config(opts.group_size, skipped) if awq_layout else
+           gptq_config(opts.bits, opts.group_size, opts.sym, bool(opts.desc_act),
+                       opts.static_groups, opts.damp_percent, v2, skipped, opts.method))
+    dynamic = group_overrides(regrouped)
+    if opts.lm_head:
+        qtensors[HEAD], head_override = quantized_lm_head(model, opts, v2)
+        cfg["lm_head"] = True
+        if head_override:
+            dynamic[f"+:{HEAD}$"] = head_override
+    if dynamic:
+        cfg["dynamic"] = dynamic
+    write_model_folder(model, model_dir, out_dir, qtensors, cfg)
+    return cfg, sum(t.numel() * t.element_size() for d in qtensors.values() for t in d.values())
+
+
+def _write_gguf_file(model: nn.Module, model_dir: str, out: str, opts: QuantizeOptions,
+                     results: dict[str, GPTQResult], skipped: list[str]
+                     ) -> tuple[dict[str, Any], int]:
+    """Write the GGUF file ``out``: ``(a config-like summary, quantized tensor bytes)``."""
+    from nybble.quantize.hf_model import read_hf_config
+
+    head = lm_head_result(model, opts) if opts.lm_head else None
+    written = write_gguf(out, model.state_dict(), read_hf_config(model_dir), model_dir, results,
+                         opts.bits, opts.sym, head)
+    types: dict[str, int] = {}
+    for t in written["types"].values():
+        types[t] = types.get(t, 0) + 1
+    cfg = {"quant_method": "gguf", "type": written["file_type"], "bits": opts.bits,
+           "group_size": opts.group_size, "sym": opts.sym, "desc_act": bool(opts.desc_act),
+           "static_groups": opts.static_groups, "lm_head": opts.lm_head,
+           "modules_to_not_convert": skipped or None, "tensor_types": types,
+           "meta": {"quantizer": [f"nybble:{__version__}"], "method": opts.method}}
+    return cfg, int(written["quantized_bytes"])
+
+
+def _check_gguf_model(model: nn.Module, model_dir: str, opts: QuantizeOptions) -> None:
+    """Before quantizing, for a GGUF run: the config maps (architecture, activation, RoPE),
+    and a quantized head fits Q8_0 blocks (32 | hidden)."""
+    from nybble.quantize.hf_model import read_hf_config
+
+    if opts.format != "gguf":
+        return
+    check_gguf_config(read_hf_config(model_dir))
+    hidden = model.get_output_embeddings().weight.shape[1]
+    if opts.lm_head and head_group_size(hidden, opts) != 32:
+        raise ValueError(f"--quantize-lm-head with --format gguf writes the head as Q8_0, "
+                         f"blocks of 32 along the hidden size, which {hidden} is not a "
+                         f"multiple of; drop --quantize-lm-head")
 
 
 def quantize_model(model_dir: str, out_dir: str, opts: QuantizeOptions,
                    progress: bool = True) -> dict[str, Any]:
     """Quantize the Llama folder ``model_dir`` and write a complete folder ``out_dir`` with
-    its quality report.
+    its quality report; with ``opts.format == "gguf"``, ``out_dir`` is the ``.gguf`` file
+    to write and the report goes beside it (:func:`nybble.quant.report.report_path`).
 
     Returns:
         ``{"quantized": [...], "skipped": {name: reason}, "regrouped": {name: group size},
@@ -327,33 +415,23 @@ def quantize_model(model_dir: str, out_dir: str, opts: QuantizeOptions,
     t0 = time.perf_counter()
     threads = torch.get_num_threads()
     torch.set_num_threads(opts.threads)
+    gguf_out = opts.format == "gguf"
     try:
         model = load_model(model_dir, torch.float32)
+        _check_gguf_model(model, model_dir, opts)
         results, errors, skipped, calibration, tuning, regrouped = _run(model, model_dir, opts,
                                                                         progress)
-        awq_layout = opts.awq_layout
-        v2 = not opts.sym
-        qtensors = {p: (pack_awq(r) if awq_layout else pack_gptq(r, opts.bits, v2))
-                    for p, r in results.items()}
-        skipped_names = sorted(skipped)
-        cfg = (awq_config(opts.group_size, skipped_names) if awq_layout else
-               gptq_config(opts.bits, opts.group_size, opts.sym, bool(opts.desc_act),
-                           opts.static_groups, opts.damp_percent, v2, skipped_names,
-                           opts.method))
-        dynamic = group_overrides(regrouped)
-        if opts.lm_head:
-            qtensors[HEAD], head_override = quantized_lm_head(model, opts, v2)
-            cfg["lm_head"] = True
-            if head_override:
-                dynamic[f"+:{HEAD}$"] = head_override
-        if dynamic:
-            cfg["dynamic"] = dynamic
-        write_model_folder(model, model_dir, out_dir, qtensors, cfg)
+        if gguf_out:
+            cfg, lin_after = _write_gguf_file(model, model_dir, out_dir, opts, results,
+                                              sorted(skipped))
+        else:
+            cfg, lin_after = _write_folder(model, model_dir, out_dir, opts, results,
+                                           sorted(skipped), regrouped)
         wall = time.perf_counter() - t0
         ppl = None
         if opts.eval_text is not None:
-            before, after = _perplexity(model_dir, opts.eval_text), _perplexity(out_dir,
-                                                                                opts.eval_text)
+            before = _perplexity(model_dir, opts.eval_text)
+            after = _perplexity(out_dir, opts.eval_text, model_dir if gguf_out else None)
             ppl = {"text": opts.eval_source or "eval_text", "sha256": text_sha256(opts.eval_text),
                    "tokens": int(after["tokens"]), "before": before["perplexity"],
                    "after": after["perplexity"]}
@@ -363,14 +441,14 @@ def quantize_model(model_dir: str, out_dir: str, opts: QuantizeOptions,
                 ["model.embed_tokens.weight"] if model.config.tie_word_embeddings else
                 [HEAD + ".weight"])
     lin_before = checkpoint_tensor_bytes(model_dir, [p + ".weight" for p in results] + head_src)
-    lin_after = sum(t.numel() * t.element_size() for d in qtensors.values() for t in d.values())
     settings = {"method": opts.method, "bits": opts.bits, "group_size": opts.group_size,
                 "sym": opts.sym, "desc_act": opts.desc_act, "static_groups": opts.static_groups,
                 "threads": opts.threads, "quantization_config": cfg, "tuning": tuning}
     report = build_report(settings, calibration, errors, skipped,
                           {"linear_before": lin_before, "linear_after": lin_after,
                            "checkpoint_before": safetensors_bytes(model_dir),
-                           "checkpoint_after": safetensors_bytes(out_dir)}, wall, ppl)
+                           "checkpoint_after": (os.path.getsize(out_dir) if gguf_out else
+                                                safetensors_bytes(out_dir))}, wall, ppl)
     write_report(out_dir, report)
     return {"quantized": sorted(results), "skipped": skipped, "regrouped": regrouped,
             "config": cfg, "results": results, "report": report}

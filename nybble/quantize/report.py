@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from nybble import __version__
-from nybble.quant.report import REPORT_FILE, SCHEMA_VERSION
+from nybble.quant.report import REPORT_FILE, SCHEMA_VERSION, report_path
 
 
 def text_sha256(text: str) -> str:
@@ -116,9 +116,13 @@ def _readme(r: dict[str, Any]) -> str:
 
 
 def write_report(out_dir: str, report: dict[str, Any]) -> None:
-    """Write ``quantization_report.json`` and ``README.md`` into ``out_dir``."""
-    with open(os.path.join(out_dir, REPORT_FILE), "w", encoding="utf-8") as f:
+    """Write ``quantization_report.json`` and ``README.md`` into ``out_dir``; for a GGUF
+    file ``out_dir`` (``NAME.gguf``), only the report, beside it as
+    ``NAME.quantization_report.json`` (:func:`nybble.quant.report.report_path`)."""
+    with open(report_path(out_dir), "w", encoding="utf-8") as f:
         json.dump(report, f, indent=2)
         f.write("\n")
+    if out_dir.lower().endswith(".gguf"):
+        return
     with open(os.path.join(out_dir, "README.md"), "w", encoding="utf-8") as f:
         f.write(_readme(report))
