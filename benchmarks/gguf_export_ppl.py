@@ -93,10 +93,19 @@ def main() -> int:
     ap.add_argument("--model", nargs="+", default=[os.path.join(SHARED, "models", "stories3m")],
                     help="float Hugging Face folders")
     ap.add_argument("--text", default=os.path.join(SHARED, "data", "stories-heldout.txt"))
+    ap.add_argument("--text-bytes", type=int, default=60000,
+                    help="score only the text's first N bytes (0: all; llama-perplexity "
+                         "scores whole 512-token chunks of it)")
     ap.add_argument("--work", required=True, help="where the GGUF files are made")
     ap.add_argument("--out", default=os.path.join(_HERE, "results", "gguf_export_ppl.json"))
     args = ap.parse_args()
     binary = os.path.join(args.llama_build, "bin", "llama-perplexity")
+    text = args.text
+    if args.text_bytes:
+        os.makedirs(args.work, exist_ok=True)
+        text = os.path.join(args.work, "text.txt")
+        with open(args.text, "rb") as src, open(text, "wb") as dst:
+            dst.write(src.read(args.text_bytes))
     rows = []
     for model in args.model:
         name = os.path.basename(os.path.normpath(model))
@@ -104,7 +113,7 @@ def main() -> int:
         files = make_files(model, work, args.llama_build)
         base = None
         for label, path in files.items():
-            ppl, err = llama_perplexity(binary, path, args.text, path + ".ppl.log")
+            ppl, err = llama_perplexity(binary, path, text, path + ".ppl.log")
             base = base or ppl
             rows.append({"model": name, "file": label, "perplexity": round(ppl, 4),
                          "plus_minus": round(err, 4),
@@ -112,7 +121,8 @@ def main() -> int:
                          "mib": round(os.path.getsize(path) / 2**20, 2)})
             print_table(rows[-1:], "")
     print_table(rows, "llama-perplexity (-c 512) on GGUF files of the same float model")
-    write_json(args.out, {"models": args.model, "text": args.text, "rows": rows})
+    write_json(args.out, {"models": args.model, "text": args.text,
+                          "text_bytes": args.text_bytes, "rows": rows})
     return 0
 
 

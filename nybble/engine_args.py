@@ -143,7 +143,11 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
 def engine_config_from_args(args: argparse.Namespace,
                             served_model_name: str | None = None) -> EngineConfig:
     """Build the :class:`EngineConfig` from parsed :func:`add_engine_args` flags."""
-    model = getattr(args, "model_tag", None) or args.model or DEFAULT_MODEL
+    tag = getattr(args, "model_tag", None)
+    if tag and args.model and tag != args.model:
+        raise ValueError(f"the model is given twice, as MODEL {tag!r} and as --model "
+                         f"{args.model!r}: give one")
+    model = tag or args.model or DEFAULT_MODEL
     return EngineConfig.from_kwargs(
         model=model, tokenizer=args.tokenizer, dtype=args.dtype,
         max_model_len=args.max_model_len, quantization=args.quantization, device=args.device,

@@ -5,6 +5,7 @@ import argparse
 import os
 
 from nybble.engine_args import add_engine_args, engine_config_from_args
+from nybble.model_files import is_gguf
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -34,12 +35,14 @@ def run(args: argparse.Namespace) -> int:
     turns that into one error line and exit code 2).
 
     Raises:
-        ValueError: the first PROMPT is an existing model folder (the model goes in
+        ValueError: the first PROMPT is an existing model folder or GGUF file (the model goes in
             ``--model``), or ``--chat`` on a model without a chat template.
     """
     first = args.prompts[0]
-    if os.path.isfile(os.path.join(first, "config.json")):
-        raise ValueError(f"the first PROMPT {first!r} is a model folder; pass it as --model "
+    kind = ("a model folder" if os.path.isfile(os.path.join(first, "config.json")) else
+            "a GGUF model file" if is_gguf(first) and os.path.isfile(first) else None)
+    if kind is not None:
+        raise ValueError(f"the first PROMPT {first!r} is {kind}; pass it as --model "
                          f"{first} (nybble generate --model {first} \"PROMPT\")")
     engine_config_from_args(args).model_config.check_folders()  # NOTE: before torch: fast
     from nybble.runtime.worker.torch_threads import setup_threads

@@ -101,3 +101,12 @@ def test_a_file_for_a_model_says_it_is_a_file(tmp_path, capsys, sub: list[str]) 
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert f"got {str(path)!r}, which is a file, expected a folder" in err
+
+
+def test_a_model_given_twice_is_refused(capsys) -> None:
+    """``nybble serve A --model B`` used to serve A and drop B without a word."""
+    from nybble.cli import main
+
+    assert main(["serve", "/x/a.gguf", "--model", "/x/b"]) == 2
+    err = capsys.readouterr().err
+    assert "the model is given twice, as MODEL '/x/a.gguf' and as --model '/x/b'" in err

@@ -32,6 +32,16 @@ def test_a_model_folder_as_the_first_prompt_points_at_model(capsys) -> None:
     assert f"the first PROMPT {DEFAULT_MODEL!r} is a model folder; pass it as --model" in err
 
 
+def test_a_gguf_file_as_the_first_prompt_points_at_model(capsys, tmp_path) -> None:
+    """A .gguf file passed where the prompt goes is refused, not read as text for the bundled
+    model (it used to generate from the file's path)."""
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert main(["generate", str(gguf), "Once upon a time"]) == 2
+    err = capsys.readouterr().err
+    assert f"the first PROMPT {str(gguf)!r} is a GGUF model file; pass it as --model" in err
+
+
 def test_generate_chat_applies_the_chat_template(capsys) -> None:
     assert main(["generate", "--chat", "Tom found a red ball.", "--max-tokens", "12"]) == 0
     printed = capsys.readouterr().out.strip()

@@ -62,8 +62,8 @@ def _mib(n: int) -> str:
 def summarize_report(model_dir: str) -> str | None:
     """One line for start-up logs from ``model_dir``'s report, or None without a report.
 
-    Example: ``"quantized by nybble 0.1.0: awq 4-bit g128, calibration 23,040 tokens (sha256
-    3f1c2a9b), held-out perplexity 4.4220 -> 4.4601 (+0.86%), linear weights 12.0 MiB ->
+    Example: ``"quantized by nybble 0.1.0: awq 4-bit g128, calibration 23,040 tokens of
+    calib.txt (sha256 3f1c2a9b), held-out perplexity 4.4220 -> 4.4601 (+0.86%), linear weights 12.0 MiB ->
     1.6 MiB, worst layer output error 4.1% (model.layers.3.mlp.down_proj)"``.
 
     A malformed report is logged as a warning and gives None: a start-up log line is not a
@@ -78,7 +78,11 @@ def summarize_report(model_dir: str) -> str | None:
                  f"{r['bits']}-bit {'per-channel' if gs == -1 else f'g{gs}'}"]
         cal = r.get("calibration")
         if cal:
-            parts.append(f"calibration {cal['tokens']:,} tokens (sha256 {cal['sha256'][:8]})")
+            src = cal.get("source", "")
+            where = ("sampled from the model" if src.startswith("sampled from the model") else
+                     f"of {os.path.basename(src)}" if src else "")
+            parts.append(f"calibration {cal['tokens']:,} tokens {where} "
+                         f"(sha256 {cal['sha256'][:8]})".replace("  ", " "))
         ppl = r.get("perplexity")
         if ppl:
             b, a = ppl["before"], ppl["after"]

@@ -8,7 +8,7 @@ import os
 import sys
 
 from nybble.config import CPU_ACTIVATION_DTYPES
-from nybble.model_files import check_model_dir
+from nybble.model_files import check_model_dir, config_folder, is_gguf
 from nybble.runtime.worker.torch_threads import setup_threads
 from nybble.threads import add_threads_arg
 
@@ -57,6 +57,10 @@ def summary_line(summary: dict, group_size: int, lm_head: bool, out: str) -> str
 
 
 def _quantize(args: argparse.Namespace) -> int:
+    if is_gguf(args.model):
+        raise ValueError(f"nybble quantize reads a Hugging Face folder of float weights, got "
+                         f"the GGUF file {args.model!r}; serve a GGUF file as it is (nybble "
+                         f"serve {args.model}) or quantize the float model's folder")
     check_model_dir(args.model)
     check_out_dir(args.model, args.out, args.format)
     setup_threads(args.threads)  # NOTE: before torch is imported (next lines)
@@ -102,7 +106,7 @@ def _eval_ppl(args: argparse.Namespace) -> int:
     from nybble.quantize.eval_ppl import nybble_logits_fn, perplexity
 
     logits_fn = nybble_logits_fn(args.model, args.quantization, args.cpu_activation_dtype)
-    tok = AutoTokenizer.from_pretrained(args.model)
+    tok = AutoTokenizer.from_pretrained(config_folder(args.model))  # a GGUF's side folder
     with open(args.text, encoding="utf-8") as f:
         text = f.read()
     res = perplexity(logits_fn, tok, text, args.window, args.stride, args.max_paragraphs)
@@ -121,7 +125,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                     "llama.cpp and nybble). The same inputs and thread count give "
                     "byte-identical files; quantizing runs on one thread unless --threads "
                     "is given.")
-    q.add_argument("model", help="source model folder (Hugging Face Llama)")
+    q.add_argument("model", help="source model folder (Hugging Face Llama, float weights)")
     q.add_argument("--method", choices=["rtn", "gptq", "awq", "gptq-e2e"], required=True,
                    help="rtn: round to nearest; gptq: Frantar et al. 2023; awq: Lin et al. "
                         "2024; gptq-e2e: GPTQ, then the group scales tuned end to end against "
@@ -189,7 +193,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                     "nybble's own model) on blank-line separated paragraphs of a text file.")
     e.add_argument("model", help="model folder (fp or quantized)")
     e.add_argument("--text", required=True, help="UTF-8 text, blank-line separated paragraphs")
-    e.add_argument("--quantization", choices=["awq", "gptq", "compressed-tensors"],
+    e.add_argument("--quantization", choices=["awq", "gptq", "compressed-tensors", "gguf"],
                    help="force the quantization method (default: detected)")
     e.add_argument("--window", type=int, default=512,
                    help="tokens per scoring window (at most the model's max_model_len)")

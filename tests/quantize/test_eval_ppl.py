@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -53,3 +54,18 @@ def test_eval_ppl_cli(tmp_path, capsys) -> None:
     count = sum(len(tok(p).input_ids) - 1 for p in paras)
     assert res["tokens"] == count
     assert math.isclose(res["perplexity"], math.exp(total / count), rel_tol=1e-5)
+
+
+def test_eval_ppl_reads_a_gguf_file_like_its_folder(capsys: pytest.CaptureFixture[str]) -> None:
+    """llama.cpp's F32 GGUF of stories3m holds the folder's float values: the same perplexity
+    (the tokenizer comes from the GGUF's metadata)."""
+    from tests.conftest import shared_path
+
+    text = shared_path("data", "stories-heldout.txt")
+    res = []
+    for model in (shared_path("fixtures", "gguf", "stories3m-F32.gguf"),
+                  shared_path("models", "stories3m")):
+        assert main(["eval-ppl", model, "--text", text, "--max-paragraphs", "3"]) == 0
+        res.append(json.loads(capsys.readouterr().out))
+    assert res[0]["tokens"] == res[1]["tokens"] > 500
+    assert abs(res[0]["perplexity"] / res[1]["perplexity"] - 1) < 1e-5

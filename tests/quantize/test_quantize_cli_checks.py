@@ -78,3 +78,16 @@ def test_written_files_have_the_usual_mode(source: Path, tmp_path: Path, umask_0
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}
     assert modes["model.safetensors"] == 0o644
     assert set(modes.values()) == {0o644}, modes
+
+
+def test_a_gguf_file_is_refused_with_what_to_do(tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """A GGUF file is already quantized: one line that says so (it used to fail on
+    'Not a directory: .../model.gguf/config.json')."""
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert main(["quantize", str(gguf), "--method", "rtn", "--out", str(tmp_path / "q")]) == 2
+    err = capsys.readouterr().err
+    assert "reads a Hugging Face folder of float weights, got the GGUF file" in err
+    assert f"nybble serve {gguf}" in err and "Traceback" not in err
+    assert not (tmp_path / "q").exists()
