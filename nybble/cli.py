@@ -18,7 +18,8 @@ from nybble.version import __version__
 _SUBCOMMANDS = {
     "serve": ("nybble.server.cli", "serve a model over an OpenAI-compatible HTTP API"),
     "generate": ("nybble.generate_cli", "generate text for one or more prompts"),
-    "quantize": ("nybble.quantize.cli", "quantize a model folder (RTN, GPTQ, AWQ)"),
+    "quantize": ("nybble.quantize.cli",
+                 "quantize a model folder (RTN, GPTQ, AWQ, GPTQ+E2E) to GPTQ/AWQ or GGUF"),
     "eval-ppl": ("nybble.quantize.cli", "perplexity of a model on a text file"),
     "bench": ("nybble.bench.cli", "benchmark throughput or serving latency"),
     "plan": ("nybble.plan.cli", "memory plan: weights, KV cache, sequences that fit on a GPU"),

@@ -56,7 +56,8 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     parser.add_argument("--quantization", "-q", default=None,
                         choices=["awq", "gptq", "compressed-tensors", "gguf"],
                         help="quantization method; must match the checkpoint "
-                             "(default: detected from its quantization_config)")
+                             "(default: detected from config.json's quantization_config, "
+                             "or gguf for a .gguf file)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                         help="where the model runs (auto: cuda when available)")
     parser.add_argument("--seed", type=int, default=0,

@@ -117,7 +117,7 @@ def _eval_ppl(args: argparse.Namespace) -> int:
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Add ``quantize`` and ``eval-ppl`` to the ``nybble`` command."""
     q = subparsers.add_parser(
-        "quantize", help="quantize a model folder with RTN, GPTQ, AWQ or AWQ+GPTQ",
+        "quantize", help="quantize a model folder with RTN, GPTQ, AWQ or GPTQ+E2E",
         description="Quantize a Hugging Face Llama-family folder layer by layer on calibration "
                     "text and write a complete model folder in the GPTQ or AWQ format that "
                     "`nybble serve` loads, with quantization_report.json and a README.md "

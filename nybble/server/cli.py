@@ -20,7 +20,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default=None, nargs="+", metavar="NAME",
                         help="model names the API accepts; the first is the one responses "
                              "report, /v1/models lists all (default: the model folder's "
-                             "name)")
+                             "name, or a GGUF file's name without .gguf)")
     parser.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer <key>' on /v1/*, /tokenize, "
                              "/detokenize and /internal/stats; /health, /metrics and /version "
@@ -35,7 +35,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "calling')")
     chat.add_argument("--chat-template", default=None, metavar="FILE|TEXT",
                       help="a jinja2 chat template (a file, or the template text) replacing "
-                           "the model folder's")
+                           "the model's (its folder's, or a GGUF file's metadata)")
     chat.add_argument("--enable-auto-tool-choice", action="store_true",
                       help="serve tool_choice 'auto' (the default with tools): the model's "
                            "output is parsed for calls by --tool-call-parser")
