@@ -71,12 +71,14 @@ class ModelConfig:
             or ``auto`` (int16 where the CPU has AVX-512 VNNI, else bfloat16 where it has
             AVX-512 BF16, else float32). Dense weights and GPUs are unaffected.
         cpu_prefill_gemm: how the CPU runs a quantized matmul of many rows (prefill chunks
-            of at least ``qgemm_pack.PREFILL_ROWS`` tokens): ``bfloat16`` (dequantize the
+            of at least ``qgemm_pack.PREFILL_ROWS`` tokens, ``PREFILL_ROWS_AVX512_BF16`` for
+            bfloat16 without AMX): ``bfloat16`` (dequantize the
             weight to bfloat16 once per call, then a bfloat16 GEMM: AMX tiles through
             oneDNN), ``float32`` (dequantize to float32 once per call, then a float32 GEMM:
             the exact dequantized product), ``kernel`` (the decode kernel of
             ``cpu_activation_dtype`` for every step), or ``auto`` (bfloat16 where the CPU has
-            AMX-BF16, else float32 where the integer-dot kernel runs its AVX2 loop; kernel
+            AMX-BF16 or, for int16/int8 activations, AVX-512 BF16; else float32 where the
+            integer-dot kernel runs its AVX2 loop; kernel
             for the exact ``float32`` activations and elsewhere).
         max_logprobs: largest ``logprobs`` / ``top_logprobs`` a request may ask for
             (vLLM's ``--max-logprobs``); the request gate also caps it at the vocabulary size.

@@ -78,8 +78,10 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
                              "bfloat16 GEMM: AMX tiles through oneDNN), float32 (dequantize "
                              "to float32, then a float32 GEMM: exact), kernel (the "
                              "--cpu-activation-dtype kernel for every step); auto: bfloat16 "
-                             "with AMX-BF16, else float32 where the integer-dot kernel runs "
-                             "its AVX2 loop; kernel when the activations are float32")
+                             "with AMX-BF16 (from 128 tokens) or with AVX-512 BF16 under "
+                             "int16/int8 activations (from 256), else float32 where the "
+                             "integer-dot kernel runs its AVX2 loop; kernel when the "
+                             "activations are float32")
     parser.add_argument("--max-logprobs", type=int, default=20,
                         help="largest logprobs / top_logprobs a request may ask for")
     parser.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32],

@@ -24,16 +24,20 @@ BLOCK, BLOCKS = 16, 16
 
 def test_the_choice_resolves_by_cpu_and_activations() -> None:
     rows = qgemm_pack.PREFILL_ROWS
+    amx, avx2 = qgemm_pack.has_amx_bf16(), cpu_qgemm.idot_fast_path() == "AVX2"
+    bf16_rows = rows if amx else qgemm_pack.PREFILL_ROWS_AVX512_BF16
     assert cpu_prefill_rows("kernel", "int16") is None
-    assert cpu_prefill_rows("bfloat16", "int16") == rows
+    assert cpu_prefill_rows("bfloat16", "int16") == bf16_rows
+    assert cpu_prefill_rows("float32", "int16") == rows
     assert cpu_prefill_gemm("float32", "int16") == "float32"
     assert cpu_prefill_rows("auto", "float32") is None        # the exact path stays exact
-    amx, avx2 = qgemm_pack.has_amx_bf16(), cpu_qgemm.idot_fast_path() == "AVX2"
-    auto = "bfloat16" if amx else "float32" if avx2 else None
+    bf16 = amx or cpu_qgemm.have_bf16()
+    auto = "bfloat16" if bf16 else "float32" if avx2 else None
     assert cpu_prefill_gemm("auto", "int16") == auto
     assert cpu_prefill_gemm("auto", "int8") == auto
     assert cpu_prefill_gemm("auto", "bfloat16") == ("bfloat16" if amx else None)
-    assert cpu_prefill_rows("auto", "int16") == (rows if auto else None)
+    assert cpu_prefill_rows("auto", "int16") == (None if auto is None else
+                                                 bf16_rows if auto == "bfloat16" else rows)
     with pytest.raises(ValueError, match="cpu_prefill_gemm"):
         ModelConfig(cpu_prefill_gemm="amx")
     import argparse
@@ -98,6 +102,10 @@ def test_long_prefill_takes_the_float32_gemm_exactly(name, monkeypatch) -> None:
 
 @pytest.mark.parametrize("name", ["stories3m-Q4_0.gguf", "tiny-llama-gptq-4bit-g32-actorder"])
 def test_long_prefill_takes_the_bf16_gemm_within_its_rounding(name, monkeypatch) -> None:
+    # the route's numerics at PREFILL_ROWS + 22 rows, also where the CPU (no AMX) would take
+    # it only from PREFILL_ROWS_AVX512_BF16 rows (more than this checkpoint's 256 positions)
+    from nybble.models import loader
+    monkeypatch.setattr(loader, "PREFILL_ROWS_AVX512_BF16", qgemm_pack.PREFILL_ROWS)
     results = {}
     real = qgemm_pack.prefill_linear
     for choice in ("kernel", "bfloat16"):

@@ -39,6 +39,8 @@ static inline void nyb_qd_put(const nyb_qd_job *j, int64_t n, int64_t k, float v
     else ((uint16_t *)j->out)[n * j->ldo + k] = nyb_bf16_bits(v);
 }
 
+static void nyb_qd_idot_col(const nyb_qd_job *j, int64_t jb, int c, int64_t n);
+
 /* Column blocks lo .. hi. */
 static void nyb_qd_range(void *ctx, int64_t lo, int64_t hi) {
     const nyb_qd_job *j = (const nyb_qd_job *)ctx;
@@ -57,18 +59,49 @@ static void nyb_qd_range(void *ctx, int64_t lo, int64_t hi) {
                 }
                 continue;
             }
-            const int rows = W->bits == 4 ? 8 : 4;      /* input rows per 64-byte unit */
-            const int64_t units = K / rows;
-            for (int64_t u = 0; u < units; u++) {
-                const uint8_t *b = nyb_id_unit(W, jb, u) + 4 * c;
-                const int64_t k0 = u * rows, gi = (k0 / W->group) * W->Np + n;
-                const float s = nyb_qg_scale(W, gi);
-                for (int i = 0; i < rows; i++) {
-                    const int v = W->bits == 4 ? (i < 4 ? b[i] & 0xf : b[i - 4] >> 4) : b[i];
-                    const int64_t k = k0 + i;
-                    nyb_qd_put(j, n, W->perm ? W->perm[k] : k, nyb_qd_value(W, gi, s, v));
-                }
+            nyb_qd_idot_col(j, jb, c, n);
+        }
+    }
+}
+
+/* Column n (c-th of block jb) of the integer-dot layout: per 64-byte unit, the column's 4
+ * bytes hold 8 (4-bit: low nibbles then high nibbles) or 4 (8-bit) consecutive inputs of one
+ * group, so each unit is one scale, one integer offset and a branch-free run of 8 / 4 values
+ * (the same float operations as nyb_qd_value: s (u - 2^(b-1) - zq), or s q + mo). */
+static void nyb_qd_idot_col(const nyb_qd_job *j, int64_t jb, int c, int64_t n) {
+    const nyb_qw *W = j->W;
+    const int rows = W->bits == 4 ? 8 : 4;      /* input rows per 64-byte unit */
+    const int64_t units = W->K / rows;
+    const int half = 1 << (W->bits - 1);
+    float v[8];
+    float *of = j->f32 ? (float *)j->out + n * j->ldo : NULL;
+    uint16_t *ob = j->f32 ? NULL : (uint16_t *)j->out + n * j->ldo;
+    for (int64_t u = 0; u < units; u++) {
+        const uint8_t *b = nyb_id_unit(W, jb, u) + 4 * c;
+        const int64_t k0 = u * rows, gi = (k0 / W->group) * W->Np + n;
+        const float s = nyb_qg_scale(W, gi);
+        const int off = half + (W->mode == NYB_QG_ZERO ? (int)W->zq[gi] : 0);
+        if (rows == 8) {
+            for (int i = 0; i < 4; i++) {
+                v[i] = s * (float)((b[i] & 0xf) - off);
+                v[i + 4] = s * (float)((b[i] >> 4) - off);
             }
+        } else {
+            for (int i = 0; i < 4; i++) v[i] = s * (float)(b[i] - off);
+        }
+        if (W->mode == NYB_QG_MIN) {
+            const float mo = W->mo[gi];
+            for (int i = 0; i < rows; i++) v[i] += mo;
+        }
+        if (W->perm) {
+            for (int i = 0; i < rows; i++) {
+                const int64_t k = W->perm[k0 + i];
+                if (of) of[k] = v[i]; else ob[k] = nyb_bf16_bits(v[i]);
+            }
+        } else if (of) {
+            for (int i = 0; i < rows; i++) of[k0 + i] = v[i];
+        } else {
+            for (int i = 0; i < rows; i++) ob[k0 + i] = nyb_bf16_bits(v[i]);
         }
     }
 }

@@ -207,6 +207,13 @@ Measured on SmolLM2-135M's projections (one thread, Sapphire Rapids class, 2026-
 integer-dot kernel runs ~2.2 ms per row for the 30 layers; the bf16 route costs ~200 ms of
 dequantization per step plus ~0.22 ms per row, so it wins from ~100 rows."""
 
+PREFILL_ROWS_AVX512_BF16 = 256
+"""The same threshold for the bfloat16 GEMM on a CPU with AVX-512 BF16 but no AMX (oneDNN's
+``vdpbf16ps`` kernel, about half AMX's rate per row against the VNNI integer-dot kernel).
+Measured on SmolLM2-135M Q4_1 (one thread, AMD EPYC with AVX-512 VNNI/BF16, 2026-12-05,
+median of 3 alternating rounds, whole prefill step): 128 tokens 436 (kernel) vs 330 (bf16)
+tok/s, 256 tokens 435 vs 439, 512 tokens 360 vs 398, 1,450 tokens bf16 ~1.6x the kernel."""
+
 
 def has_amx_bf16() -> bool:
     """True when the CPU has AMX-BF16 and the process may use its tiles (Linux asks the
