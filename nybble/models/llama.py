@@ -1,4 +1,5 @@
-"""The decoder of every family nybble serves (Llama, Mistral, Qwen 2/3, Phi-3, Gemma 2/3) over
+"""The decoder of every family nybble serves (Llama, Mistral, Qwen 2/3, Phi-3, Gemma 2/3,
+Qwen3-MoE and Mixtral, whose sparse layers' MLP is :class:`nybble.models.moe.MoEBlock`) over
 a paged KV cache; what a family changes comes from its :class:`~nybble.models.arch.ArchSpec`.
 
 The model takes the flat batch of a step: ``input_ids [T]``, ``positions [T]``, one KV cache
@@ -36,6 +37,7 @@ from nybble.models.layer_ops import (
 )
 from nybble.models.layers import GATED_ACTIVATIONS, GemmaRMSNorm, RMSNorm, RotaryEmbedding
 from nybble.models.linear import LinearFactory, as_function, build_linear
+from nybble.models.moe import MoEBlock
 from nybble.models.shape import ModelShape
 from nybble.models.tp_layout import TPLayout
 
@@ -146,7 +148,12 @@ class LlamaDecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = norm(hidden, eps, dtype, device)
             self.post_feedforward_layernorm = norm(hidden, eps, dtype, device)
         self.sandwich = spec.sandwich_norms
-        self.mlp = LlamaMLP(config, f"{prefix}.mlp", linear, spec, dtype, device, layout)
+        self.mlp: LlamaMLP | MoEBlock
+        if spec.moe is not None and spec.moe.is_sparse(index):
+            self.mlp = MoEBlock(spec.moe, f"{prefix}.{spec.moe.block}", hidden, linear,
+                                getattr(config, "hidden_act", "silu"), dtype, device)
+        else:
+            self.mlp = LlamaMLP(config, f"{prefix}.mlp", linear, spec, dtype, device, layout)
 
     def forward(self, h: torch.Tensor, rot: tuple[tuple[torch.Tensor, torch.Tensor], ...],
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -173,7 +180,8 @@ class LlamaForCausalLM(nn.Module):
 
     Raises:
         UnsupportedModelError: heads or widths that do not split over the ranks, or a
-            fused-checkpoint family (Phi-3) under tensor parallelism.
+            fused-checkpoint family (Phi-3) or a mixture-of-experts one (Qwen3-MoE, Mixtral)
+            under tensor parallelism.
     """
 
     def __init__(self, config: HFConfig, linear: LinearFactory,
@@ -190,6 +198,10 @@ class LlamaForCausalLM(nn.Module):
         if spec.fused_checkpoint and layout.sharded:
             raise UnsupportedModelError("tensor_parallel_size must be 1 for a checkpoint with "
                                         "fused qkv_proj / gate_up_proj (Phi-3)")
+        if spec.moe is not None and layout.sharded:
+            raise UnsupportedModelError(
+                f"tensor_parallel_size must be 1 for a mixture-of-experts model (Qwen3-MoE, "
+                f"Mixtral), got {layout.tp.world_size}: experts are not split over ranks")
         rows = layout.vocab_rows
         head_dim = self.shape.head_dim
         self.rotary_embs = nn.ModuleList(

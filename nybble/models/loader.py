@@ -212,7 +212,7 @@ def load_model(cfg: ModelConfig, backend: AttentionBackend, device: torch.device
         model = LlamaForCausalLM(hf_config, factory, backend, max_len, dtype, device, spec,
                                  layout)
     except UnsupportedModelError as e:
-        if not layout.sharded:
+        if not layout.sharded or spec.moe is not None:
             raise
         n = layout.tp.world_size
         raise UnsupportedModelError(
@@ -261,6 +261,7 @@ def _load_weights(model: LlamaForCausalLM, files: list[str], dtype: torch.dtype,
     modules = dict(model.named_modules())
     layout = model.layout
     act_order = _row_parallel_act_order(model, files, targets) if layout.sharded else set()
+    experts = _expert_targets(model)
     loaded: set[str] = set()
     for path in files:
         with safe_open(path, framework="pt") as f:
@@ -268,6 +269,10 @@ def _load_weights(model: LlamaForCausalLM, files: list[str], dtype: torch.dtype,
                 if "rotary_emb" in key or (skip_head and key.startswith("lm_head.")):
                     continue
                 module_prefix, _, suffix = key.rpartition(".")
+                if module_prefix in experts:    # one projection of a stacked MoE expert
+                    name, expert, part = experts[module_prefix]
+                    modules[name].load_expert(expert, part, suffix, f.get_tensor(key))
+                    continue
                 if module_prefix in targets:
                     name, idx = targets[module_prefix]
                     slices = getattr(modules[name], "tp_slices", None)
@@ -295,13 +300,25 @@ def _load_weights(model: LlamaForCausalLM, files: list[str], dtype: torch.dtype,
             raise UnsupportedModelError(f"checkpoint has {len(by_shard)} of the "
                                         f"{len(module.shard_prefixes)} shards of {name}")
         module.load_tensors(_concat_shards(module, [by_shard[i] for i in sorted(by_shard)]))
-    fused = [n for n, m in modules.items() if getattr(m, "shard_prefixes", None)]
+    fused = [n for n, m in modules.items() if getattr(m, "shard_prefixes", None)
+             or getattr(m, "expert_prefixes", None)]
     missing = sorted(n for n in params if n not in loaded and
                      not any(n.startswith(m + ".") for m in fused))
-    missing += sorted(n for n in fused if n not in shards)
+    missing += sorted(n for n in fused if n not in shards and
+                      not getattr(modules[n], "expert_prefixes", None))
+    missing += sorted(p for n in fused if getattr(modules[n], "expert_prefixes", None)
+                      for p in modules[n].missing_experts())
     if missing:
         raise UnsupportedModelError(f"checkpoint lacks tensors for {missing[:5]}"
                                     f"{' ...' if len(missing) > 5 else ''}")
+
+
+def _expert_targets(model: LlamaForCausalLM) -> dict[str, tuple[str, int, int]]:
+    """Checkpoint module prefix of a stacked MoE expert's projection -> (model module name,
+    expert, part) (:attr:`nybble.models.moe.MoEBlock.expert_prefixes`)."""
+    return {prefix: (name, expert, part) for name, module in model.named_modules()
+            for prefix, (expert, part) in (getattr(module, "expert_prefixes", None)
+                                           or {}).items()}
 
 
 def _row_parallel_act_order(model: LlamaForCausalLM, files: list[str],

@@ -1,0 +1,106 @@
+"""Qwen3-MoE and Mixtral equal transformers (float32): prefill logits of prompts of different
+lengths, and through the engine (CPU, chunked prefill, prefix caching, one mixed batch) every
+prompt logprob and greedy continuations token for token; the fused CPU step declines MoE
+models with its reason; tensor parallelism refuses them."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from nybble import SamplingParams
+from nybble.config import ModelConfig
+from nybble.distributed.comm import TPGroup
+from nybble.errors import UnsupportedModelError
+from nybble.kernels.reference.attention import TorchAttentionBackend
+from nybble.models.hf_config import load_hf_config
+from nybble.models.llama import LlamaForCausalLM
+from nybble.models.linear import dense_linear_factory
+from nybble.models.loader import load_model
+from nybble.models.moe import MoEBlock
+from nybble.models.registry import arch_spec
+from nybble.models.scoring import prefill_logits
+from nybble.models.shape import ModelShape
+from nybble.models.tp_layout import TPLayout
+from nybble.runtime.llm_engine import LLMEngine
+from tests.runtime.engine_helpers import assert_idle_and_clean, run_requests
+
+from .hf_moe import MOE_FAMILIES, make_moe_model
+
+PROMPTS = [[1, 403, 407, 261, 378], list(range(3, 40)), [1] + list(range(100, 117)), [7]]
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module", params=sorted(MOE_FAMILIES))
+def family(request, tmp_path_factory) -> tuple[str, torch.nn.Module]:
+    path = make_moe_model(request.param, str(tmp_path_factory.mktemp(request.param)))
+    return path, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _hf_logits(hf: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0]
+
+
+def _hf_greedy(hf: torch.nn.Module, ids: list[int], n: int) -> list[int]:
+    out = list(ids)
+    for _ in range(n):
+        out.append(int(_hf_logits(hf, out)[-1].argmax()))
+    return out[len(ids):]
+
+
+def test_sparse_and_dense_layers_follow_the_config(family) -> None:
+    path, hf = family
+    loaded = load_model(ModelConfig(model=path), TorchAttentionBackend(), torch.device("cpu"))
+    ours = [isinstance(layer.mlp, MoEBlock) for layer in loaded.model.layers]
+    theirs = [hasattr(layer.mlp, "experts") for layer in hf.model.layers]
+    assert ours == theirs and any(ours)
+
+
+def test_prefill_logits_match_transformers(family) -> None:
+    path, hf = family
+    loaded = load_model(ModelConfig(model=path), TorchAttentionBackend(), torch.device("cpu"))
+    for ours, ids in zip(prefill_logits(loaded, PROMPTS), PROMPTS):
+        torch.testing.assert_close(ours, _hf_logits(hf, ids), atol=TOL, rtol=0)
+
+
+def test_engine_matches_transformers(family, caplog) -> None:
+    path, hf = family
+    with caplog.at_level(logging.INFO, logger="nybble.runtime.worker.model_runner"):
+        engine = LLMEngine.from_engine_args(path, max_num_batched_tokens=16, max_num_seqs=4,
+                                            block_size=8)
+    # the fused C step computes a Llama block only: the torch path runs, and the log says why
+    assert "CPU decode step: mixture-of-experts layers (the fused step computes a Llama " \
+           "block only)" in caplog.text
+    assert engine.engine_core.runner.model.fused_decode is None
+    assert engine.engine_core.config.cache_config.enable_prefix_caching
+    shared = list(range(50, 80))
+    prompts = {"long": shared, "short": [1, 403, 407, 261, 378], "again": shared + [9, 10],
+               "mid": list(range(200, 221))}
+    scored = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, prompt_logprobs=0)
+    plain = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    run_requests(engine, [("warm", shared, SamplingParams(temperature=0.0, max_tokens=2))])
+    finals = run_requests(engine, [(k, ids, plain if k == "again" else scored)
+                                   for k, ids in prompts.items()])
+    assert engine.get_stats().num_cached_tokens_total >= 24
+    for key, ids in prompts.items():
+        if key != "again":
+            ref = _hf_logits(hf, ids).log_softmax(-1)
+            got = finals[key].prompt_logprobs
+            for i in range(1, len(ids)):
+                assert abs(got[i][ids[i]] - ref[i - 1, ids[i]].item()) < TOL, (key, i)
+        assert finals[key].outputs[0].token_ids == _hf_greedy(hf, ids, 8), key
+    assert_idle_and_clean(engine)
+
+
+def test_tensor_parallelism_is_refused(tmp_path) -> None:
+    path = make_moe_model("mixtral", str(tmp_path))
+    config = load_hf_config(path)
+    shape = ModelShape.from_hf_config(config)
+    layout = TPLayout.of(shape, config.intermediate_size, TPGroup(rank=0, world_size=2))
+    with pytest.raises(UnsupportedModelError, match="tensor_parallel_size must be 1 for a "
+                       "mixture-of-experts model .* got 2"):
+        LlamaForCausalLM(config, dense_linear_factory, TorchAttentionBackend(), 64,
+                         torch.float32, torch.device("cpu"), arch_spec(config), layout)
