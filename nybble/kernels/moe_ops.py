@@ -9,6 +9,10 @@ import torch
 from nybble.kernels.reference import moe as reference
 
 
+def _use_triton(x: torch.Tensor) -> bool:
+    return x.device.type == "cuda"
+
+
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                   expert_ids: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     """``sum_j weights[t, j] * expert_{ids[t, j]}(x[t])`` with stacked SwiGLU experts.
@@ -24,7 +28,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     Raises:
         ValueError: shapes that do not agree or an unknown activation.
     """
-    if x.device.type == "cuda":
+    if _use_triton(x):
         from nybble.kernels.triton import fused_moe
 
         return fused_moe.fused_experts(x, w13, w2, weights, expert_ids, activation)

@@ -103,8 +103,8 @@ class HFConfig:
         if arch == "Gemma3ForCausalLM":
             values["rope_parameters"] = gemma3_rope_parameters(raw)
         else:
-            values["rope_parameters"] = _rope_parameters(raw, values,
-                                                         _ARCH_THETA.get(arch or "", _DEFAULT_THETA))
+            theta = _ARCH_THETA.get(arch or "", _DEFAULT_THETA)
+            values["rope_parameters"] = _rope_parameters(raw, values, theta)
         self.__dict__.update(values)
 
     def __getattr__(self, name: str) -> Any:

@@ -29,7 +29,8 @@ def _oracle(x, w13, w2, logits, top_k, renormalize):  # type: ignore[no-untyped-
     return out
 
 
-def _problem(tokens: int, experts: int, hidden: int, inter: int, seed: int = 0):  # type: ignore[no-untyped-def]
+def _problem(tokens: int, experts: int, hidden: int, inter: int,  # type: ignore[no-untyped-def]
+             seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, hidden, generator=g, dtype=torch.float64)
     w13 = torch.randn(experts, 2 * inter, hidden, generator=g, dtype=torch.float64) / hidden**0.5
