@@ -79,8 +79,13 @@ class LayerOps:
         o_proj = as_function(attn.o_proj)
         down = no_dense_mlp if moe else as_function(mlp.down_proj)
         tp = getattr(layer, "tp", None)
+        moe_fn = as_function(mlp) if moe else None
         if tp is not None and tp.world_size > 1:   # row-parallel: sum the ranks' partials
-            o_proj, down = _all_reduced(o_proj, tp), _all_reduced(down, tp)
+            o_proj = _all_reduced(o_proj, tp)
+            if moe_fn is not None:
+                moe_fn = _all_reduced(moe_fn, tp)
+            else:
+                down = _all_reduced(down, tp)
         sandwich = getattr(layer, "sandwich", False)
         pre_mlp = layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm
         return cls(as_function(layer.input_layernorm), as_function(attn.qkv_proj),
@@ -91,8 +96,7 @@ class LayerOps:
                    _optional(getattr(attn, "k_norm", None)),
                    as_function(layer.post_attention_layernorm) if sandwich else None,
                    as_function(layer.post_feedforward_layernorm) if sandwich else None,
-                   getattr(attn, "rope_index", 0),
-                   as_function(mlp) if moe else None)
+                   getattr(attn, "rope_index", 0), moe_fn)
 
 
 def no_dense_mlp(x: torch.Tensor) -> torch.Tensor:

@@ -151,7 +151,9 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp: LlamaMLP | MoEBlock
         if spec.moe is not None and spec.moe.is_sparse(index):
             self.mlp = MoEBlock(spec.moe, f"{prefix}.{spec.moe.block}", hidden, linear,
-                                getattr(config, "hidden_act", "silu"), dtype, device)
+                                getattr(config, "hidden_act", "silu"), dtype, device,
+                                layout.expert_inter if layout.sharded else None,
+                                layout.expert_down_in if layout.sharded else None)
         else:
             self.mlp = LlamaMLP(config, f"{prefix}.mlp", linear, spec, dtype, device, layout)
 
@@ -180,8 +182,7 @@ class LlamaForCausalLM(nn.Module):
 
     Raises:
         UnsupportedModelError: heads or widths that do not split over the ranks, or a
-            fused-checkpoint family (Phi-3) or a mixture-of-experts one (Qwen3-MoE, Mixtral)
-            under tensor parallelism.
+            fused-checkpoint family (Phi-3) under tensor parallelism.
     """
 
     def __init__(self, config: HFConfig, linear: LinearFactory,
@@ -198,10 +199,10 @@ class LlamaForCausalLM(nn.Module):
         if spec.fused_checkpoint and layout.sharded:
             raise UnsupportedModelError("tensor_parallel_size must be 1 for a checkpoint with "
                                         "fused qkv_proj / gate_up_proj (Phi-3)")
-        if spec.moe is not None and layout.sharded:
+        if spec.moe is not None and layout.sharded and layout.expert_inter is None:
             raise UnsupportedModelError(
-                f"tensor_parallel_size must be 1 for a mixture-of-experts model (Qwen3-MoE, "
-                f"Mixtral), got {layout.tp.world_size}: experts are not split over ranks")
+                "a mixture-of-experts model under tensor parallelism needs a TPLayout built "
+                "with expert_intermediate_size (TPLayout.of(..., spec.moe.intermediate_size))")
         rows = layout.vocab_rows
         head_dim = self.shape.head_dim
         self.rotary_embs = nn.ModuleList(

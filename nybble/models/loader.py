@@ -207,12 +207,13 @@ def load_model(cfg: ModelConfig, backend: AttentionBackend, device: torch.device
     factory = (gguf.factory if gguf is not None else
                quant.linear_factory if quant is not None else dense_linear_factory)
     shape = ModelShape.from_hf_config(hf_config)
-    layout = TPLayout.of(shape, int(hf_config.intermediate_size), tp or single_rank())
+    layout = TPLayout.of(shape, int(hf_config.intermediate_size), tp or single_rank(),
+                         spec.moe.intermediate_size if spec.moe is not None else None)
     try:
         model = LlamaForCausalLM(hf_config, factory, backend, max_len, dtype, device, spec,
                                  layout)
     except UnsupportedModelError as e:
-        if not layout.sharded or spec.moe is not None:
+        if not layout.sharded:
             raise
         n = layout.tp.world_size
         raise UnsupportedModelError(
@@ -271,7 +272,7 @@ def _load_weights(model: LlamaForCausalLM, files: list[str], dtype: torch.dtype,
                 module_prefix, _, suffix = key.rpartition(".")
                 if module_prefix in experts:    # one projection of a stacked MoE expert
                     name, expert, part = experts[module_prefix]
-                    modules[name].load_expert(expert, part, suffix, f.get_tensor(key))
+                    modules[name].load_expert(expert, part, suffix, f.get_slice(key))
                     continue
                 if module_prefix in targets:
                     name, idx = targets[module_prefix]

@@ -20,6 +20,7 @@ Two ways of holding the experts, chosen at build time by the linear factory:
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -29,6 +30,7 @@ from nybble.kernels import moe_ops
 from nybble.kernels.reference.moe import gated, grouped_experts, route_topk
 from nybble.models.arch import MoESpec
 from nybble.models.linear import LinearFactory, as_function, build_linear, dense_linear_factory
+from nybble.models.tp_layout import ShardSlice
 
 Fn = Callable[[torch.Tensor], torch.Tensor]
 
@@ -36,11 +38,17 @@ Fn = Callable[[torch.Tensor], torch.Tensor]
 class MoEBlock(nn.Module):
     """One layer's MoE MLP: ``x [T, H] -> [T, H]`` (in ``x.dtype``).
 
+    Under tensor parallelism each rank holds features ``[start, start + I / N)`` of every
+    expert's intermediate dimension (``inter_slice`` of gate/up's outputs, ``down_slice`` of
+    down's inputs; :class:`~nybble.models.tp_layout.TPLayout`), the router whole; the block's
+    output is then this rank's partial sum (the layer all-reduces it).
+
     Args:
         spec: the family's :class:`MoESpec`.
         prefix: the block's checkpoint name (``model.layers.N.mlp``).
         hidden: ``H``. linear: the model's linear factory (decides dense or quantized
             experts). activation: the config's ``hidden_act``.
+        inter_slice, down_slice: this rank's shares (None: one rank, the whole experts).
 
     Attributes:
         router: the dense ``[E, H]`` router linear (never quantized).
@@ -56,14 +64,19 @@ class MoEBlock(nn.Module):
     """
 
     def __init__(self, spec: MoESpec, prefix: str, hidden: int, linear: LinearFactory,
-                 activation: str, dtype: torch.dtype, device: torch.device) -> None:
+                 activation: str, dtype: torch.dtype, device: torch.device,
+                 inter_slice: ShardSlice | None = None,
+                 down_slice: ShardSlice | None = None) -> None:
         super().__init__()
         if activation != "silu":
             raise UnsupportedModelError(f"hidden_act of a mixture-of-experts model must be "
                                         f"silu, got {activation!r}")
-        num, inter = spec.num_experts, spec.intermediate_size
+        num = spec.num_experts
+        inter = spec.intermediate_size if inter_slice is None else inter_slice.length
+        self.inter_start = 0 if inter_slice is None else inter_slice.start
+        self.full_intermediate = spec.intermediate_size
         self.num_experts, self.top_k, self.renormalize = num, spec.top_k, spec.renormalize
-        self.intermediate_size, self.hidden_size = inter, hidden
+        self.intermediate_size, self.hidden_size = inter, hidden   # this rank's I
         self.weights_in_logits_dtype = spec.weights_in_logits_dtype
         self.router = build_linear(dense_linear_factory, [f"{prefix}.gate"], hidden, [num],
                                    False, dtype, device)
@@ -90,27 +103,37 @@ class MoEBlock(nn.Module):
             self.down = nn.ModuleList(
                 build_linear(linear, [trio[2]], inter, [hidden], False, dtype, device)
                 for trio in names)
+            if inter_slice is not None and down_slice is not None:   # read by the loader
+                for gate_up, down_proj in zip(self.gate_up, self.down):
+                    gate_up.tp_slices = [inter_slice, inter_slice]
+                    down_proj.tp_slices = [down_slice]
 
-    def load_expert(self, expert: int, part: int, name: str, tensor: torch.Tensor) -> None:
+    def load_expert(self, expert: int, part: int, name: str, tensor: Any) -> None:
         """Copy checkpoint tensor ``name`` of expert ``expert``'s projection ``part`` (0 gate
-        ``[I, H]``, 1 up ``[I, H]``, 2 down ``[H, I]``) into the stacked weights.
+        ``[I, H]``, 1 up ``[I, H]``, 2 down ``[H, I]``; a tensor, or a safetensors slice of
+        which only this rank's share is read) into the stacked weights.
 
         Raises:
             UnsupportedModelError: a tensor other than ``weight`` (a quantized expert in a
                 checkpoint whose other experts are not) or a shape that does not fit.
         """
         assert self.w13 is not None and self.w2 is not None
-        inter = self.intermediate_size
+        inter, start = self.intermediate_size, self.inter_start
         if name != "weight":
             raise UnsupportedModelError(
                 f"expert {expert} of a float MoE block must hold a 'weight' tensor, got "
                 f"{name!r} (experts must be all quantized or all float)")
         target = (self.w2[expert] if part == 2 else
                   self.w13[expert, part * inter:(part + 1) * inter])
-        if tensor.shape != target.shape:
+        shape = tuple(tensor.get_shape() if hasattr(tensor, "get_shape") else tensor.shape)
+        full, hidden = self.full_intermediate, self.hidden_size
+        want = (hidden, full) if part == 2 else (full, hidden)
+        if shape != want:
             raise UnsupportedModelError(f"expert {expert} projection {part} must have shape "
-                                        f"{tuple(target.shape)}, got {tuple(tensor.shape)}")
-        target.copy_(tensor.to(target.dtype))
+                                        f"{want}, got {shape}")
+        part_of = (tensor[:, start:start + inter] if part == 2 else
+                   tensor[start:start + inter])
+        target.copy_(part_of.to(target.dtype))
         self._loaded.add((expert, part))
 
     def missing_experts(self) -> list[str]:

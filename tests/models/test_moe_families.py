@@ -1,7 +1,8 @@
 """Qwen3-MoE and Mixtral equal transformers (float32): prefill logits of prompts of different
 lengths, and through the engine (CPU, chunked prefill, prefix caching, one mixed batch) every
 prompt logprob and greedy continuations token for token; the fused CPU step declines MoE
-models with its reason; tensor parallelism refuses them."""
+models with its reason; experts that do not split over the tensor-parallel ranks are refused
+(TP=2 equals TP=1: tests/distributed/test_tp_moe.py)."""
 from __future__ import annotations
 
 import logging
@@ -16,8 +17,6 @@ from nybble.distributed.comm import TPGroup
 from nybble.errors import UnsupportedModelError
 from nybble.kernels.reference.attention import TorchAttentionBackend
 from nybble.models.hf_config import load_hf_config
-from nybble.models.llama import LlamaForCausalLM
-from nybble.models.linear import dense_linear_factory
 from nybble.models.loader import load_model
 from nybble.models.moe import MoEBlock
 from nybble.models.registry import arch_spec
@@ -95,12 +94,16 @@ def test_engine_matches_transformers(family, caplog) -> None:
     assert_idle_and_clean(engine)
 
 
-def test_tensor_parallelism_is_refused(tmp_path) -> None:
-    path = make_moe_model("mixtral", str(tmp_path))
+def test_experts_that_do_not_split_over_the_ranks_are_refused(tmp_path) -> None:
+    path = make_moe_model("qwen3-moe", str(tmp_path))    # moe_intermediate_size 32
     config = load_hf_config(path)
     shape = ModelShape.from_hf_config(config)
-    layout = TPLayout.of(shape, config.intermediate_size, TPGroup(rank=0, world_size=2))
-    with pytest.raises(UnsupportedModelError, match="tensor_parallel_size must be 1 for a "
-                       "mixture-of-experts model .* got 2"):
-        LlamaForCausalLM(config, dense_linear_factory, TorchAttentionBackend(), 64,
-                         torch.float32, torch.device("cpu"), arch_spec(config), layout)
+    moe = arch_spec(config).moe
+    assert moe is not None
+    layout = TPLayout.of(shape, config.intermediate_size, TPGroup(rank=1, world_size=2),
+                         moe.intermediate_size)
+    assert layout.expert_inter is not None and layout.expert_down_in is not None
+    assert (layout.expert_inter.start, layout.expert_inter.length) == (16, 16)
+    with pytest.raises(UnsupportedModelError, match="moe_intermediate_size .* must split "
+                       "evenly over tensor_parallel_size 4, got 34"):
+        TPLayout.of(shape, 96, TPGroup(rank=0, world_size=4), 34)
