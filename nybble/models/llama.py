@@ -266,6 +266,17 @@ class LlamaForCausalLM(nn.Module):
         self.fused_decode = None
         return super()._apply(fn, recurse)
 
+    def cuda_graph_blocker(self) -> str | None:
+        """Why the decode step cannot be captured in a CUDA graph, or None when it can.
+
+        Quantized mixture-of-experts layers run their experts one by one on counts read back
+        to the host (:func:`nybble.kernels.reference.moe.grouped_experts`), which a capture
+        forbids; float experts run the Triton fused-MoE kernel, which reads nothing back."""
+        if any(isinstance(layer.mlp, MoEBlock) and layer.mlp.w13 is None
+               for layer in self.layers):
+            return "quantized mixture-of-experts layers (experts sized on the host per step)"
+        return None
+
     def enable_fused_cpu_decode(self, kv_caches: list[torch.Tensor]) -> str:
         """Run decode-only steps over ``kv_caches`` as one C call
         (:class:`nybble.models.cpu_fused.FusedCpuDecode`) when the model qualifies; returns

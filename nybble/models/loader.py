@@ -231,8 +231,10 @@ def load_model(cfg: ModelConfig, backend: AttentionBackend, device: torch.device
         if head is not None:
             model.set_quantized_vocab(None, head)
     model.eval()
+    # the projections, and each MoE block whole (router and experts; none of its parts is a
+    # "_proj")
     linear_bytes = sum(_module_bytes(m) for n, m in model.named_modules()
-                       if n.endswith(("_proj",)))
+                       if n.endswith(("_proj",)) or hasattr(m, "expert_prefixes"))
     return LoadedModel(model=model, hf_config=hf_config, shape=model.shape, dtype=dtype,
                        max_model_len=max_len,
                        eos_token_ids=eos_token_ids(folder, hf_config),

@@ -14,8 +14,8 @@ pytestmark = [pytest.mark.triton_interpret]
 TOL = {torch.float32: 1e-5, torch.float16: 2e-2, torch.bfloat16: 5e-2}
 
 
-def _problem(tokens: int, experts: int, hidden: int, inter: int, top_k: int,
-             dtype: torch.dtype, device: torch.device, seed: int = 0):  # type: ignore[no-untyped-def]
+def _problem(tokens: int, experts: int, hidden: int,  # type: ignore[no-untyped-def]
+             inter: int, top_k: int, dtype: torch.dtype, device: torch.device, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, hidden, generator=g)
     w13 = torch.randn(experts, 2 * inter, hidden, generator=g) / hidden**0.5
