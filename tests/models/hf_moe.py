@@ -2,16 +2,10 @@
 own config classes (float32), with routers made to tie so that top-k tie-breaking shows."""
 from __future__ import annotations
 
-import os
-import shutil
-
 import torch
 from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from nybble.config import DEFAULT_MODEL
-
-from .hf_families import WINDOW
-from .hf_tiny import _COMMON
+from .hf_families import WINDOW, random_model, save_with_tokenizer
 
 MOE_FAMILIES = {
     # 8 experts, top-2 not renormalised, layer 1 dense (mlp_only_layers), GQA 4:1
@@ -43,21 +37,11 @@ def make_moe_model(name: str, root: str, seed: int = 0) -> str:
     up so routing is decisive, and in every router experts 0 and 1 given the same row (their
     probabilities tie exactly; which one top-k keeps decides the output); bundled tokenizer
     files. Its folder."""
-    config_cls, model_cls, extra = MOE_FAMILIES[name]
-    torch.manual_seed(seed)
-    config = config_cls(**{**_COMMON, **extra})
-    model = model_cls(config).eval()
+    model = random_model(*MOE_FAMILIES[name], seed)
     with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "norm" in n:
-                p.add_(torch.randn_like(p) * 0.3)
         routers = _routers(model)
         assert routers, "the variant must have sparse layers"
         for w in routers:
             w.normal_(0, 0.5)
             w[1] = w[0]
-    path = os.path.join(root, name)
-    model.save_pretrained(path, safe_serialization=True)
-    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(os.path.join(DEFAULT_MODEL, f), path)
-    return path
+    return save_with_tokenizer(model, root, name)
