@@ -30,8 +30,9 @@ def hf_config(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
             ``output.weight`` means untied embeddings; ``blk.0.attn_q.bias``, q/k/v biases).
 
     Raises:
-        UnsupportedModelError: an architecture other than :data:`ARCHITECTURES`, a missing
-            key, partial rotary embeddings, or a RoPE scaling other than linear.
+        UnsupportedModelError: an architecture other than :data:`ARCHITECTURES`, a
+            mixture-of-experts model (``expert_count`` > 0), a missing key, partial rotary
+            embeddings, or a RoPE scaling other than linear.
     """
     arch = str(meta.get("general.architecture", ""))
     if arch not in ARCHITECTURES:
@@ -45,6 +46,12 @@ def hf_config(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
             raise UnsupportedModelError(f"GGUF metadata must contain {key!r} for a {arch} model")
         return _get(meta, key)
 
+    experts = int(_get(meta, f"{arch}.expert_count", 0) or 0)
+    if experts:
+        raise UnsupportedModelError(
+            f"GGUF {arch}.expert_count must be 0 (a dense model): mixture-of-experts GGUF files "
+            f"are not supported, got {experts} experts; serve the model's Hugging Face folder "
+            f"(safetensors) instead")
     hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
     kv_heads = int(_get(meta, f"{arch}.attention.head_count_kv", heads))
     head_dim = int(_get(meta, f"{arch}.attention.key_length", hidden // heads))

@@ -15,6 +15,41 @@ from typing import Any
 
 
 @dataclass(frozen=True)
+class MoESpec:
+    """A family's sparse mixture-of-experts MLPs (:mod:`nybble.models.moe`).
+
+    Attributes:
+        num_experts: experts per MoE layer (``E``).
+        top_k: experts each token is sent to.
+        renormalize: divide the ``top_k`` router probabilities by their sum (Mixtral always;
+            Qwen3-MoE when ``norm_topk_prob``).
+        intermediate_size: each expert's intermediate width (``I``).
+        sparse_layers: per layer, whether its MLP is the MoE block (else a dense MLP of the
+            config's ``intermediate_size``).
+        block: the checkpoint name of the block under ``model.layers.N`` (``mlp``,
+            Mixtral's ``block_sparse_moe``); the router is ``{block}.gate``.
+        projections: the checkpoint names of an expert's gate, up and down projections
+            (``gate_proj``/``up_proj``/``down_proj``; Mixtral's ``w1``/``w3``/``w2``), under
+            ``{block}.experts.{e}``.
+        weights_in_logits_dtype: the routing weights are cast to the router logits' dtype
+            before weighting the experts' outputs (Qwen3-MoE), or kept float32 (Mixtral).
+    """
+
+    num_experts: int
+    top_k: int
+    renormalize: bool
+    intermediate_size: int
+    sparse_layers: tuple[bool, ...]
+    block: str = "mlp"
+    projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    weights_in_logits_dtype: bool = False
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether layer ``layer``'s MLP is the MoE block."""
+        return self.sparse_layers[layer]
+
+
+@dataclass(frozen=True)
 class ArchSpec:
     """The switches of one model (all off: a Llama).
 
@@ -37,6 +72,7 @@ class ArchSpec:
             for full attention; empty: every layer full.
         rope_params: the distinct RoPE parameter sets; empty: the config's one set.
         layer_rope: per layer, its index into ``rope_params`` (empty: all 0).
+        moe: the mixture-of-experts layers (Qwen3-MoE, Mixtral), or None (every MLP dense).
     """
 
     qkv_bias: bool = False
@@ -53,6 +89,7 @@ class ArchSpec:
     windows: tuple[int | None, ...] = ()
     rope_params: tuple[dict[str, Any], ...] = field(default=())
     layer_rope: tuple[int, ...] = ()
+    moe: MoESpec | None = None
 
     def window(self, layer: int) -> int | None:
         """Layer ``layer``'s sliding window (tokens), or None (full attention)."""

@@ -245,7 +245,8 @@ def _unfused_feature(model: LlamaForCausalLM) -> str | None:
     """What the model's family needs that the fused step lacks, or None."""
     spec = model.spec
     windows = [layer.self_attn.window for layer in model.layers]
-    checks = (("per-head q/k norms", spec.qk_norm), ("Gemma norms", spec.gemma_norm),
+    checks = (("mixture-of-experts layers", spec.moe is not None),
+              ("per-head q/k norms", spec.qk_norm), ("Gemma norms", spec.gemma_norm),
               ("Gemma's extra norms", spec.sandwich_norms),
               (f"the {spec.activation} activation", spec.activation != "silu"),
               ("scaled embeddings", spec.embed_scale),

@@ -3,8 +3,9 @@
 transformers' config classes fill in what a ``config.json`` leaves out, and importing them
 costs about as much as torch itself; the engine core needs only the fields its Llama-family
 decoder reads. :class:`HFConfig` holds the file's values over the defaults of transformers'
-``LlamaConfig``, ``MistralConfig``, ``Qwen2Config``, ``Qwen3Config``, ``Phi3Config``,
-``Gemma2Config`` and ``Gemma3TextConfig`` (the architectures nybble builds), with the same
+``LlamaConfig``, ``MistralConfig``, ``Qwen2Config``, ``Qwen3Config``, ``Qwen3MoeConfig``,
+``MixtralConfig``, ``Phi3Config``, ``Gemma2Config`` and ``Gemma3TextConfig`` (the
+architectures nybble builds), with the same
 derived fields (``head_dim``, ``num_key_value_heads``, Qwen's ``sliding_window``, Gemma's
 ``layer_types``) and RoPE parameters in transformers' standard form (``rope_parameters`` with ``rope_type`` and
 ``rope_theta``). Tests compare every field nybble reads with ``AutoConfig``'s.
@@ -41,6 +42,18 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
                          "max_position_embeddings": 32768, "attention_bias": False,
                          "use_sliding_window": False, "sliding_window": 4096,
                          "max_window_layers": 28, "bos_token_id": None, "eos_token_id": None},
+    "Qwen3MoeForCausalLM": {**_COMMON, "vocab_size": 151936, "hidden_size": 2048,
+                            "intermediate_size": 6144, "num_hidden_layers": 24,
+                            "num_key_value_heads": 4, "max_position_embeddings": 32768,
+                            "attention_bias": False, "use_sliding_window": False,
+                            "sliding_window": None, "bos_token_id": None, "eos_token_id": None,
+                            "num_local_experts": 128, "num_experts_per_tok": 8,
+                            "moe_intermediate_size": 768, "norm_topk_prob": False,
+                            "decoder_sparse_step": 1, "mlp_only_layers": []},
+    "MixtralForCausalLM": {**_COMMON, "vocab_size": 32000, "intermediate_size": 14336,
+                           "num_key_value_heads": 8, "max_position_embeddings": 4096 * 32,
+                           "rms_norm_eps": 1e-5, "sliding_window": None, "bos_token_id": 1,
+                           "eos_token_id": 2, "num_local_experts": 8, "num_experts_per_tok": 2},
     "Phi3ForCausalLM": {**_COMMON, "vocab_size": 32064, "hidden_size": 3072,
                         "intermediate_size": 8192, "num_key_value_heads": None,
                         "max_position_embeddings": 4096,
@@ -55,6 +68,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
 # every ``n``-th layer is global
 _SLIDING_PATTERN = {"Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 6}
 _DEFAULT_THETA = 10000.0
+_ARCH_THETA = {"MixtralForCausalLM": 1_000_000.0}   # architectures with another default
 _GEMMA3_KINDS = ("sliding_attention", "full_attention")
 _ORIGINAL_LENGTH_ROPE_TYPES = ("llama3", "yarn", "longrope")
 
@@ -89,7 +103,8 @@ class HFConfig:
         if arch == "Gemma3ForCausalLM":
             values["rope_parameters"] = gemma3_rope_parameters(raw)
         else:
-            values["rope_parameters"] = _rope_parameters(raw, values)
+            theta = _ARCH_THETA.get(arch or "", _DEFAULT_THETA)
+            values["rope_parameters"] = _rope_parameters(raw, values, theta)
         self.__dict__.update(values)
 
     def __getattr__(self, name: str) -> Any:
@@ -100,12 +115,14 @@ class HFConfig:
         return dict(self.raw)
 
 
-def _rope_parameters(raw: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
+def _rope_parameters(raw: dict[str, Any], values: dict[str, Any],
+                     default_theta: float = _DEFAULT_THETA) -> dict[str, Any]:
     """``rope_parameters`` (or the older ``rope_scaling``) with ``rope_type``, ``rope_theta``
-    and, for the scaled types that need it, ``original_max_position_embeddings``."""
+    (``default_theta`` when the file has none) and, for the scaled types that need it,
+    ``original_max_position_embeddings``."""
     params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
     params.setdefault("rope_type", params.get("type", "default"))
-    params.setdefault("rope_theta", raw.get("rope_theta", _DEFAULT_THETA))
+    params.setdefault("rope_theta", raw.get("rope_theta", default_theta))
     if params["rope_type"] in _ORIGINAL_LENGTH_ROPE_TYPES:
         params.setdefault("original_max_position_embeddings",
                           raw.get("original_max_position_embeddings",

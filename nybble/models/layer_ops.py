@@ -45,6 +45,10 @@ class LayerOps:
         q_norm, k_norm: per-head norms of q and k before RoPE (Qwen 3, Gemma 3), or None.
         attn_out_norm, mlp_out_norm: Gemma's norms of the attention and MLP outputs before
             their residual adds, or None.
+        moe: the layer's mixture-of-experts block ``[T, hidden] -> [T, hidden]``
+            (:class:`nybble.models.moe.MoEBlock`), or None (the dense gated MLP
+            ``down(act(gate_up(x)))``; for an MoE layer ``gate_up`` and ``down`` are
+            :func:`no_dense_mlp`).
     """
 
     input_norm: Fn
@@ -65,26 +69,44 @@ class LayerOps:
     attn_out_norm: Fn | None = None
     mlp_out_norm: Fn | None = None
     rope_index: int = 0
+    moe: Fn | None = None
 
     @classmethod
     def of(cls, layer: DecoderLayerParts) -> LayerOps:
         """The ops of ``layer`` (bound to its current weights)."""
         attn, mlp = layer.self_attn, layer.mlp
-        o_proj, down = as_function(attn.o_proj), as_function(mlp.down_proj)
+        moe = getattr(mlp, "expert_prefixes", None) is not None
+        o_proj = as_function(attn.o_proj)
+        down = no_dense_mlp if moe else as_function(mlp.down_proj)
         tp = getattr(layer, "tp", None)
+        moe_fn = as_function(mlp) if moe else None
         if tp is not None and tp.world_size > 1:   # row-parallel: sum the ranks' partials
-            o_proj, down = _all_reduced(o_proj, tp), _all_reduced(down, tp)
+            o_proj = _all_reduced(o_proj, tp)
+            if moe_fn is not None:
+                moe_fn = _all_reduced(moe_fn, tp)
+            else:
+                down = _all_reduced(down, tp)
         sandwich = getattr(layer, "sandwich", False)
         pre_mlp = layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm
         return cls(as_function(layer.input_layernorm), as_function(attn.qkv_proj),
                    o_proj, as_function(pre_mlp),
-                   as_function(mlp.gate_up_proj), down, attn.attend,
+                   no_dense_mlp if moe else as_function(mlp.gate_up_proj), down, attn.attend,
                    attn.rope, attn.num_heads, attn.num_kv_heads, attn.head_dim,
                    getattr(mlp, "act", silu_and_mul), _optional(getattr(attn, "q_norm", None)),
                    _optional(getattr(attn, "k_norm", None)),
                    as_function(layer.post_attention_layernorm) if sandwich else None,
                    as_function(layer.post_feedforward_layernorm) if sandwich else None,
-                   getattr(attn, "rope_index", 0))
+                   getattr(attn, "rope_index", 0), moe_fn)
+
+
+def no_dense_mlp(x: torch.Tensor) -> torch.Tensor:
+    """The ``gate_up`` / ``down`` of a mixture-of-experts layer, which has none.
+
+    Raises:
+        RuntimeError: always (the layer's MLP is its ``moe`` block).
+    """
+    raise RuntimeError("a mixture-of-experts layer has no dense gate_up / down projection; "
+                       "run its LayerOps.moe block")
 
 
 def _optional(module: torch.nn.Module | None) -> Fn | None:
@@ -131,11 +153,12 @@ def pre_attention(ops: LayerOps, h: torch.Tensor, rot: Rot
 
 
 def post_attention(ops: LayerOps, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-    """``o_proj``, both residuals and the gated MLP (with Gemma's output norms when the
+    """``o_proj``, both residuals and the gated MLP or MoE block (with Gemma's output norms when the
     family has them): ``attn [T, Hq * D]`` -> the layer's output ``[T, hidden]``."""
     a = ops.o_proj(attn)
     h = h + (a if ops.attn_out_norm is None else ops.attn_out_norm(a))
-    m = ops.down(ops.act(ops.gate_up(ops.post_norm(h))))
+    x = ops.post_norm(h)
+    m = ops.moe(x) if ops.moe is not None else ops.down(ops.act(ops.gate_up(x)))
     return h + (m if ops.mlp_out_norm is None else ops.mlp_out_norm(m))
 
 

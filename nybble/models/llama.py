@@ -1,4 +1,5 @@
-"""The decoder of every family nybble serves (Llama, Mistral, Qwen 2/3, Phi-3, Gemma 2/3) over
+"""The decoder of every family nybble serves (Llama, Mistral, Qwen 2/3, Phi-3, Gemma 2/3,
+Qwen3-MoE and Mixtral, whose sparse layers' MLP is :class:`nybble.models.moe.MoEBlock`) over
 a paged KV cache; what a family changes comes from its :class:`~nybble.models.arch.ArchSpec`.
 
 The model takes the flat batch of a step: ``input_ids [T]``, ``positions [T]``, one KV cache
@@ -36,6 +37,7 @@ from nybble.models.layer_ops import (
 )
 from nybble.models.layers import GATED_ACTIVATIONS, GemmaRMSNorm, RMSNorm, RotaryEmbedding
 from nybble.models.linear import LinearFactory, as_function, build_linear
+from nybble.models.moe import MoEBlock
 from nybble.models.shape import ModelShape
 from nybble.models.tp_layout import TPLayout
 
@@ -146,7 +148,14 @@ class LlamaDecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = norm(hidden, eps, dtype, device)
             self.post_feedforward_layernorm = norm(hidden, eps, dtype, device)
         self.sandwich = spec.sandwich_norms
-        self.mlp = LlamaMLP(config, f"{prefix}.mlp", linear, spec, dtype, device, layout)
+        self.mlp: LlamaMLP | MoEBlock
+        if spec.moe is not None and spec.moe.is_sparse(index):
+            self.mlp = MoEBlock(spec.moe, f"{prefix}.{spec.moe.block}", hidden, linear,
+                                getattr(config, "hidden_act", "silu"), dtype, device,
+                                layout.expert_inter if layout.sharded else None,
+                                layout.expert_down_in if layout.sharded else None)
+        else:
+            self.mlp = LlamaMLP(config, f"{prefix}.mlp", linear, spec, dtype, device, layout)
 
     def forward(self, h: torch.Tensor, rot: tuple[tuple[torch.Tensor, torch.Tensor], ...],
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -190,6 +199,10 @@ class LlamaForCausalLM(nn.Module):
         if spec.fused_checkpoint and layout.sharded:
             raise UnsupportedModelError("tensor_parallel_size must be 1 for a checkpoint with "
                                         "fused qkv_proj / gate_up_proj (Phi-3)")
+        if spec.moe is not None and layout.sharded and layout.expert_inter is None:
+            raise UnsupportedModelError(
+                "a mixture-of-experts model under tensor parallelism needs a TPLayout built "
+                "with expert_intermediate_size (TPLayout.of(..., spec.moe.intermediate_size))")
         rows = layout.vocab_rows
         head_dim = self.shape.head_dim
         self.rotary_embs = nn.ModuleList(
@@ -252,6 +265,17 @@ class LlamaForCausalLM(nn.Module):
         self._ops = None   # parameters may be new tensors after .to() / .half()
         self.fused_decode = None
         return super()._apply(fn, recurse)
+
+    def cuda_graph_blocker(self) -> str | None:
+        """Why the decode step cannot be captured in a CUDA graph, or None when it can.
+
+        Quantized mixture-of-experts layers run their experts one by one on counts read back
+        to the host (:func:`nybble.kernels.reference.moe.grouped_experts`), which a capture
+        forbids; float experts run the Triton fused-MoE kernel, which reads nothing back."""
+        if any(isinstance(layer.mlp, MoEBlock) and layer.mlp.w13 is None
+               for layer in self.layers):
+            return "quantized mixture-of-experts layers (experts sized on the host per step)"
+        return None
 
     def enable_fused_cpu_decode(self, kv_caches: list[torch.Tensor]) -> str:
         """Run decode-only steps over ``kv_caches`` as one C call

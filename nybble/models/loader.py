@@ -218,7 +218,8 @@ def load_model(cfg: ModelConfig, backend: AttentionBackend, device: torch.device
     factory = (gguf.factory if gguf is not None else
                quant.linear_factory if quant is not None else dense_linear_factory)
     shape = ModelShape.from_hf_config(hf_config)
-    layout = TPLayout.of(shape, int(hf_config.intermediate_size), tp or single_rank())
+    layout = TPLayout.of(shape, int(hf_config.intermediate_size), tp or single_rank(),
+                         spec.moe.intermediate_size if spec.moe is not None else None)
     try:
         model = LlamaForCausalLM(hf_config, factory, backend, max_len, dtype, device, spec,
                                  layout)
@@ -241,8 +242,10 @@ def load_model(cfg: ModelConfig, backend: AttentionBackend, device: torch.device
         if head is not None:
             model.set_quantized_vocab(None, head)
     model.eval()
+    # the projections, and each MoE block whole (router and experts; none of its parts is a
+    # "_proj")
     linear_bytes = sum(_module_bytes(m) for n, m in model.named_modules()
-                       if n.endswith(("_proj",)))
+                       if n.endswith(("_proj",)) or hasattr(m, "expert_prefixes"))
     return LoadedModel(model=model, hf_config=hf_config, shape=model.shape, dtype=dtype,
                        max_model_len=max_len,
                        eos_token_ids=eos_token_ids(folder, hf_config),
@@ -272,6 +275,7 @@ def _load_weights(model: LlamaForCausalLM, files: list[str], dtype: torch.dtype,
     modules = dict(model.named_modules())
     layout = model.layout
     act_order = _row_parallel_act_order(model, files, targets) if layout.sharded else set()
+    experts = _expert_targets(model)
     loaded: set[str] = set()
     for path in files:
         with safe_open(path, framework="pt") as f:
@@ -279,6 +283,10 @@ def _load_weights(model: LlamaForCausalLM, files: list[str], dtype: torch.dtype,
                 if "rotary_emb" in key or (skip_head and key.startswith("lm_head.")):
                     continue
                 module_prefix, _, suffix = key.rpartition(".")
+                if module_prefix in experts:    # one projection of a stacked MoE expert
+                    name, expert, part = experts[module_prefix]
+                    modules[name].load_expert(expert, part, suffix, f.get_slice(key))
+                    continue
                 if module_prefix in targets:
                     name, idx = targets[module_prefix]
                     slices = getattr(modules[name], "tp_slices", None)
@@ -306,13 +314,25 @@ def _load_weights(model: LlamaForCausalLM, files: list[str], dtype: torch.dtype,
             raise UnsupportedModelError(f"checkpoint has {len(by_shard)} of the "
                                         f"{len(module.shard_prefixes)} shards of {name}")
         module.load_tensors(_concat_shards(module, [by_shard[i] for i in sorted(by_shard)]))
-    fused = [n for n, m in modules.items() if getattr(m, "shard_prefixes", None)]
+    fused = [n for n, m in modules.items() if getattr(m, "shard_prefixes", None)
+             or getattr(m, "expert_prefixes", None)]
     missing = sorted(n for n in params if n not in loaded and
                      not any(n.startswith(m + ".") for m in fused))
-    missing += sorted(n for n in fused if n not in shards)
+    missing += sorted(n for n in fused if n not in shards and
+                      not getattr(modules[n], "expert_prefixes", None))
+    missing += sorted(p for n in fused if getattr(modules[n], "expert_prefixes", None)
+                      for p in modules[n].missing_experts())
     if missing:
         raise UnsupportedModelError(f"checkpoint lacks tensors for {missing[:5]}"
                                     f"{' ...' if len(missing) > 5 else ''}")
+
+
+def _expert_targets(model: LlamaForCausalLM) -> dict[str, tuple[str, int, int]]:
+    """Checkpoint module prefix of a stacked MoE expert's projection -> (model module name,
+    expert, part) (:attr:`nybble.models.moe.MoEBlock.expert_prefixes`)."""
+    return {prefix: (name, expert, part) for name, module in model.named_modules()
+            for prefix, (expert, part) in (getattr(module, "expert_prefixes", None)
+                                           or {}).items()}
 
 
 def _row_parallel_act_order(model: LlamaForCausalLM, files: list[str],

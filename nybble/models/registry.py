@@ -9,8 +9,10 @@ from nybble.models.arch import ArchSpec, sliding_windows
 from nybble.models.gemma2 import gemma2_spec
 from nybble.models.gemma3 import gemma3_spec
 from nybble.models.hf_config import HFConfig
+from nybble.models.mixtral import mixtral_spec
 from nybble.models.phi3 import phi3_spec
 from nybble.models.qwen3 import qwen3_spec
+from nybble.models.qwen3_moe import qwen3_moe_spec
 
 
 def _llama_spec(config: HFConfig) -> ArchSpec:
@@ -29,6 +31,8 @@ _ARCHITECTURES: dict[str, Callable[[HFConfig], ArchSpec]] = {
     "MistralForCausalLM": _llama_spec,
     "Qwen2ForCausalLM": _qwen2_spec,
     "Qwen3ForCausalLM": qwen3_spec,
+    "Qwen3MoeForCausalLM": qwen3_moe_spec,
+    "MixtralForCausalLM": mixtral_spec,
     "Phi3ForCausalLM": phi3_spec,
     "Gemma2ForCausalLM": gemma2_spec,
     "Gemma3ForCausalLM": gemma3_spec,

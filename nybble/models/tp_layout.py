@@ -6,6 +6,10 @@ al. 2019): what each rank holds.
   when the model has fewer KV heads than ranks).
 * o_proj and down_proj are row-parallel: rank ``r`` holds the matching input features, and
   the partial outputs are summed by one all-reduce.
+* A mixture-of-experts block (Qwen3-MoE, Mixtral) splits every expert like a dense MLP: rank
+  ``r`` holds features ``[r * I / N, (r + 1) * I / N)`` of each expert's gate, up (columns)
+  and down (rows) projections, the router is replicated (every rank routes the same tokens
+  the same way) and the block's partial outputs are summed by one all-reduce.
 * The embedding and the LM head are vocabulary-parallel: ``ceil(V / N)`` rows per rank (the
   last rank's tail padded with zero rows); the embedding's lookups are summed by an
   all-reduce, the logits gathered on rank 0.
@@ -47,6 +51,8 @@ class TPLayout:
         o_in, down_in: row slices of o_proj and down_proj (the inputs of ``q`` and ``inter``).
         vocab_start, vocab_rows: this rank's embedding / LM-head rows (``vocab_rows`` per
             rank, padding included).
+        expert_inter, expert_down_in: column slice of every expert's gate/up projection and
+            row slice of its down projection (mixture-of-experts models), or None.
     """
 
     tp: TPGroup
@@ -59,14 +65,19 @@ class TPLayout:
     down_in: ShardSlice
     vocab_start: int
     vocab_rows: int
+    expert_inter: ShardSlice | None = None
+    expert_down_in: ShardSlice | None = None
 
     @classmethod
-    def of(cls, shape: ModelShape, intermediate_size: int, tp: TPGroup) -> TPLayout:
-        """Split ``shape`` over ``tp``.
+    def of(cls, shape: ModelShape, intermediate_size: int, tp: TPGroup,
+           expert_intermediate_size: int | None = None) -> TPLayout:
+        """Split ``shape`` over ``tp`` (and each expert of width ``expert_intermediate_size``,
+        for a mixture-of-experts model).
 
         Raises:
-            UnsupportedModelError: heads, KV heads or ``intermediate_size`` that do not divide
-                evenly over the ranks (the message names the sizes allowed).
+            UnsupportedModelError: heads, KV heads, ``intermediate_size`` or the experts'
+                intermediate size that do not divide evenly over the ranks (the message names
+                the sizes allowed).
         """
         n, r = tp.world_size, tp.rank
         hq, hkv, d = shape.num_heads, shape.num_kv_heads, shape.head_dim
@@ -84,6 +95,13 @@ class TPLayout:
         else:   # fewer KV heads than ranks: each KV head is replicated on n / hkv ranks
             need(n % hkv == 0, "tensor_parallel_size (a multiple of num_key_value_heads)", n)
             kv_heads, kv_first = 1, r // (n // hkv)
+        experts: tuple[ShardSlice | None, ShardSlice | None] = (None, None)
+        if expert_intermediate_size is not None:
+            need(expert_intermediate_size % n == 0, "moe_intermediate_size (each expert's "
+                 "intermediate size)", expert_intermediate_size)
+            ei = expert_intermediate_size // n
+            experts = (ShardSlice("out", r * ei, ei, expert_intermediate_size),
+                       ShardSlice("in", r * ei, ei, expert_intermediate_size))
         heads = hq // n
         i = intermediate_size // n
         q = ShardSlice("out", r * heads * d, heads * d, hq * d)
@@ -93,7 +111,7 @@ class TPLayout:
                    ShardSlice("out", r * i, i, intermediate_size),
                    ShardSlice("in", q.start, q.length, q.full),
                    ShardSlice("in", r * i, i, intermediate_size),
-                   r * vocab_rows, vocab_rows)
+                   r * vocab_rows, vocab_rows, *experts)
 
     @property
     def sharded(self) -> bool:

@@ -1,4 +1,6 @@
-"""``nybble quantize``: RTN / GPTQ / AWQ / GPTQ-E2E of a Llama folder into a servable folder.
+"""``nybble quantize``: RTN / GPTQ / AWQ / GPTQ-E2E of a Llama folder into a servable folder
+(a mixture-of-experts one, Qwen3-MoE or Mixtral: RTN / GPTQ, every expert projection a Linear
+of its own, :mod:`nybble.quantize.moe_experts`).
 
 Driver of docs/quant-formats.md §7.3 / §7.4: capture the first decoder layer's inputs on the
 calibration text, then quantize layer by layer (:mod:`nybble.quantize.layer_quant`). Linears
@@ -44,8 +46,9 @@ from nybble.quantize.export import (
 from nybble.quantize.e2e import TuneOptions, tune_scales
 from nybble.quantize.gguf_export import check_gguf_config, check_gguf_options, write_gguf
 from nybble.quantize.gptq import GPTQResult
-from nybble.quantize.layer_quant import (LAYER_METHODS, LINEARS, LayerOptions, LinearOutcome,
-                                         group_size_for)
+from nybble.quantize.layer_quant import (LAYER_METHODS, LayerOptions, LinearOutcome,
+                                         group_size_for, layer_linears)
+from nybble.quantize.moe_experts import checkpoint_name
 from nybble.quantize.rtn import rtn_quantize
 from nybble.quantize.sampled_calibration import (REPORT_TOKENS, SEED, calibration_need,
                                                   sample_calibration_ids)
@@ -180,7 +183,7 @@ def _packable(layers: nn.ModuleList, opts: QuantizeOptions
     regrouped: dict[str, int] = {}
     for i, layer in enumerate(layers):
         ok = []
-        for n in LINEARS:
+        for n in layer_linears(layer):
             lin = layer.get_submodule(n)
             gs = opts.group_size if opts.awq_layout or opts.format == "gguf" else (
                 group_size_for(lin.in_features, opts.group_size) or opts.group_size)
@@ -267,7 +270,7 @@ def _calibration(model: nn.Module, model_dir: str, opts: QuantizeOptions,
 def _run(model: nn.Module, model_dir: str, opts: QuantizeOptions, progress: bool
          ) -> tuple[dict[str, GPTQResult], dict[str, float], dict[str, str], dict[str, Any],
                     dict[str, Any] | None, dict[str, int]]:
-    from nybble.quantize.hf_model import load_model
+    from nybble.quantize.hf_model import load_model, read_hf_config
 
     layers = model.model.layers
     names_per_layer, skipped, regrouped = _packable(layers, opts)
@@ -293,7 +296,28 @@ def _run(model: nn.Module, model_dir: str, opts: QuantizeOptions, progress: bool
     # integers, rounded to fp16), not the quantizer's float32 product
     errors = {k: relative_output_error(o.weight, results[k].dequant.half().float(), o.gram)
               for k, o in outcomes.items()}
-    return results, errors, skipped, calibration, tuning, regrouped
+    # the checkpoint's names from here on (Mixtral's experts live in block_sparse_moe)
+    name = checkpoint_name(read_hf_config(model_dir))
+    return ({name(k): v for k, v in results.items()}, {name(k): v for k, v in errors.items()},
+            {name(k): v for k, v in skipped.items()}, calibration, tuning,
+            {name(k): v for k, v in regrouped.items()})
+
+
+def check_moe_options(model: nn.Module, opts: QuantizeOptions) -> None:
+    """Before quantizing: a mixture-of-experts model (its experts split into Linears,
+    :mod:`nybble.quantize.moe_experts`) takes ``rtn`` or ``gptq`` into a model folder only.
+
+    Raises:
+        ValueError: ``awq`` or ``gptq-e2e``, or ``format="gguf"``, for such a model.
+    """
+    if not any(".experts." in n for layer in model.model.layers for n in layer_linears(layer)):
+        return
+    if opts.method not in ("rtn", "gptq"):
+        raise ValueError(f"a mixture-of-experts model can be quantized with method rtn or "
+                         f"gptq, got {opts.method!r}")
+    if opts.format != "hf":
+        raise ValueError(f"a mixture-of-experts model is written as a model folder (format "
+                         f"hf), got format {opts.format!r}")
 
 
 HEAD = "lm_head"
@@ -341,6 +365,8 @@ def _write_folder(model: nn.Module, model_dir: str, out_dir: str, opts: Quantize
                   results: dict[str, GPTQResult], skipped: list[str],
                   regrouped: dict[str, int]) -> tuple[dict[str, Any], int]:
     """Write the GPTQ / AWQ model folder: ``(quantization_config, packed linear bytes)``."""
+    from nybble.quantize.hf_model import read_hf_config
+
     awq_layout = opts.awq_layout
     v2 = not opts.sym
     qtensors = {p: (pack_awq(r) if awq_layout else pack_gptq(r, opts.bits, v2))
@@ -356,7 +382,8 @@ def _write_folder(model: nn.Module, model_dir: str, out_dir: str, opts: Quantize
             dynamic[f"+:{HEAD}$"] = head_override
     if dynamic:
         cfg["dynamic"] = dynamic
-    write_model_folder(model, model_dir, out_dir, qtensors, cfg)
+    write_model_folder(model, model_dir, out_dir, qtensors, cfg,
+                       checkpoint_name(read_hf_config(model_dir)))
     return cfg, sum(t.numel() * t.element_size() for d in qtensors.values() for t in d.values())
 
 
@@ -418,6 +445,7 @@ def quantize_model(model_dir: str, out_dir: str, opts: QuantizeOptions,
     gguf_out = opts.format == "gguf"
     try:
         model = load_model(model_dir, torch.float32)
+        check_moe_options(model, opts)
         _check_gguf_model(model, model_dir, opts)
         results, errors, skipped, calibration, tuning, regrouped = _run(model, model_dir, opts,
                                                                         progress)

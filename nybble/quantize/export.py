@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -67,12 +68,14 @@ def awq_config(group_size: int, skipped: list[str]) -> dict[str, Any]:
 
 def write_model_folder(model: nn.Module, src_dir: str, out_dir: str,
                        qtensors: dict[str, dict[str, torch.Tensor]],
-                       qconfig: dict[str, Any]) -> None:
+                       qconfig: dict[str, Any],
+                       rename: Callable[[str], str] | None = None) -> None:
     """Write ``out_dir``: ``model.safetensors`` (quantized Linears as ``qtensors[prefix]``, every
     other tensor of ``model`` as is, tied ``lm_head`` omitted; a quantized ``lm_head`` of a
     tied model unties the written config), ``config.json`` with
     ``quantization_config`` (and ``quantize_config.json`` for GPTQ), tokenizer and generation
-    files copied from ``src_dir``."""
+    files copied from ``src_dir``. ``rename`` maps the model's tensor names to the
+    checkpoint's (``qtensors`` is keyed by checkpoint names already; default: the same)."""
     from safetensors.torch import save_file
 
     os.makedirs(out_dir, exist_ok=True)
@@ -84,6 +87,7 @@ def write_model_folder(model: nn.Module, src_dir: str, out_dir: str,
     tensors: dict[str, torch.Tensor] = {}
     quantized = {p + ".weight" for p in qtensors}
     for name, t in model.state_dict().items():
+        name = rename(name) if rename is not None else name
         if name in quantized or "rotary_emb" in name or (tied and name == "lm_head.weight"):
             continue
         tensors[name] = t.detach().contiguous().clone()

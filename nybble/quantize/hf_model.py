@@ -3,7 +3,9 @@
 Used by calibration, ``eval-ppl`` and the quality benchmark, independently of the engine's own
 model code: every ``nn.Linear`` for which the checkpoint's :class:`QuantConfig` builds a
 quantized module is replaced by it (tensors loaded with the module's own ``load_tensors``);
-all other tensors (embeddings, norms, dense linears) load through ``load_state_dict``.
+all other tensors (embeddings, norms, dense linears) load through ``load_state_dict``. A
+mixture-of-experts model's stacked experts are first split into one ``nn.Linear`` per expert
+projection (:mod:`nybble.quantize.moe_experts`), named as in the checkpoint.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from torch import nn
 
 from nybble.model_files import model_weight_files
 from nybble.quant.config import load_quant_config
+from nybble.quantize.moe_experts import checkpoint_name, model_name, unfuse_experts
 
 
 def read_hf_config(model_dir: str) -> dict[str, Any]:
@@ -66,13 +69,15 @@ def load_model(model_dir: str, dtype: torch.dtype = torch.float32,
     hf_config = read_hf_config(model_dir)
     qc = load_quant_config(model_dir, hf_config, quantization)
     model = build_fp_model(hf_config, dtype)
-    tensors = load_checkpoint_tensors(model_dir)
+    unfuse_experts(model, hf_config)
+    to_model, to_checkpoint = model_name(hf_config), checkpoint_name(hf_config)
+    tensors = {to_model(k): v for k, v in load_checkpoint_tensors(model_dir).items()}
     replaced: list[str] = []
     if qc is not None:
         for name, mod in list(model.named_modules()):
             if not isinstance(mod, nn.Linear):
                 continue
-            new = qc.linear_factory([name], mod.in_features, [mod.out_features],
+            new = qc.linear_factory([to_checkpoint(name)], mod.in_features, [mod.out_features],
                                     mod.bias is not None, dtype, torch.device("cpu"))
             if new is None:  # stays dense: the nn.Linear loads through load_state_dict
                 continue

@@ -9,7 +9,9 @@ original output for AWQ and RTN (AWQ does not feed quantized activations forward
 
 Methods:
 * ``rtn``: round to nearest, no calibration (the inputs only feed the error report).
-* ``gptq``: Frantar et al. 2023 (arXiv 2210.17323), AutoGPTQ's true-sequential sub-groups.
+* ``gptq``: Frantar et al. 2023 (arXiv 2210.17323), AutoGPTQ's true-sequential sub-groups;
+  in a mixture-of-experts layer each expert's projections get the Hessian of the tokens
+  routed to it (an expert that received none is rounded to nearest, with a warning).
 * ``awq``: Lin et al. 2024 (arXiv 2306.00978) as AutoAWQ runs it (scaling groups, the scale
   search on each block's output, clipping of all but q/k, its min-max grid), with two
   searches widened (:mod:`nybble.quantize.awq`): both scale formulas, and clipping ranges
@@ -19,6 +21,7 @@ Methods:
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -29,13 +32,37 @@ from torch import nn
 from nybble.quantize import awq as awq_mod
 from nybble.quantize.calibration import attention_forward, record_inputs, run_layer
 from nybble.quantize.gptq import GPTQResult, HessianAccumulator, gptq_quantize
+from nybble.quantize.moe_experts import DOWN_NAMES, ExpertLinears
 from nybble.quantize.rtn import rtn_quantize
+
+logger = logging.getLogger(__name__)
 
 LINEARS = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
 GPTQ_SUBGROUPS = [["self_attn.k_proj", "self_attn.v_proj", "self_attn.q_proj"],
                   ["self_attn.o_proj"], ["mlp.up_proj", "mlp.gate_proj"], ["mlp.down_proj"]]
 """AutoGPTQ's Llama order (§7.3 "Driver")."""
+
+
+def layer_linears(layer: nn.Module) -> list[str]:
+    """The Linears of ``layer`` to quantize, relative to it: :data:`LINEARS`, or for a sparse
+    mixture-of-experts layer (:class:`~nybble.quantize.moe_experts.ExpertLinears`) the
+    attention's four and every expert's gate, up and down (``mlp.experts.{e}.{name}``)."""
+    experts = getattr(getattr(layer, "mlp", None), "experts", None)
+    if not isinstance(experts, ExpertLinears):
+        return list(LINEARS)
+    return LINEARS[:4] + [f"mlp.experts.{e}.{n}" for e in range(experts.num_experts)
+                          for n in experts.names]
+
+
+def gptq_subgroups(names: list[str]) -> list[list[str]]:
+    """GPTQ's sub-groups for ``names`` (:data:`GPTQ_SUBGROUPS`; a sparse MoE layer: q/k/v,
+    o, every expert's gate and up, every expert's down)."""
+    if not any(".experts." in n for n in names):
+        return GPTQ_SUBGROUPS
+    moe = [n for n in names if ".experts." in n]
+    return [*GPTQ_SUBGROUPS[:2], [n for n in moe if n.rpartition(".")[2] not in DOWN_NAMES],
+            [n for n in moe if n.rpartition(".")[2] in DOWN_NAMES]]
 
 
 @dataclass(frozen=True)
@@ -122,7 +149,7 @@ def gptq_layer(layer: nn.Module, hidden: torch.Tensor, kw: dict[str, Any], names
     """GPTQ, sub-group by sub-group: each sub-group's Hessian comes from a forward in which
     the earlier sub-groups are already quantized (§7.3)."""
     out = {}
-    for group in GPTQ_SUBGROUPS:
+    for group in gptq_subgroups(names):
         group = [g for g in group if g in names]
         if not group:
             continue
@@ -131,6 +158,15 @@ def gptq_layer(layer: nn.Module, hidden: torch.Tensor, kw: dict[str, Any], names
         for g in group:
             lin = layer.get_submodule(g)
             ow = o.for_width(lin.in_features)
+            if accs[g].n == 0:
+                # NOTE: an expert no calibration token was routed to: GPTQ would zero its
+                # every (dead) input column, so it is rounded to nearest instead
+                logger.warning("%s saw no calibration tokens: rounded to nearest instead of "
+                               "GPTQ (give more calibration text to calibrate it)", g)
+                res = rtn_quantize(lin.weight.data, ow.bits, ow.group_size, ow.sym)
+                out[g] = LinearOutcome(res, lin.weight.data.clone(), accs[g].h)
+                _install(lin, res)
+                continue
             res = gptq_quantize(lin.weight.data, accs[g].h, ow.bits, ow.group_size, ow.sym,
                                 ow.desc_act, ow.static_groups, ow.damp_percent)
             out[g] = LinearOutcome(res, lin.weight.data.clone(), accs[g].h)

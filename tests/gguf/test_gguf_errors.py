@@ -1,6 +1,7 @@
 """Bad GGUF files give one clear line at start-up: truncated, bad magic, an unsupported
 tensor type (named with the tensor and the supported list), an unsupported architecture, a
-split model without its shards; and a quantization flag that does not fit."""
+mixture-of-experts file, a split model without its shards; and a quantization flag that does
+not fit."""
 from __future__ import annotations
 
 import os
@@ -90,6 +91,30 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
     _rewrite(Q40, str(p), arch="gpt2")
     with pytest.raises(UnsupportedModelError,
                        match="general.architecture must be one of llama, qwen2, got 'gpt2'"):
+        _load(str(p))
+
+
+def test_mixture_of_experts_file_is_refused(tmp_path: Path) -> None:
+    """A Mixtral-style file (``llama.expert_count`` set) is named as MoE, not misread as a
+    dense Llama."""
+    p = tmp_path / "moe.gguf"
+    r = gguf.GGUFReader(Q40)
+    w = gguf.GGUFWriter(str(p), "llama")
+    for key, f in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        vtype = f.types[0]
+        w.add_key_value(key, f.contents(), vtype,
+                        f.types[1] if vtype == gguf.GGUFValueType.ARRAY else None)
+    w.add_uint32("llama.expert_count", 8)
+    for t in r.tensors:
+        w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(UnsupportedModelError, match="llama.expert_count must be 0 .* got 8 "
+                       "experts; serve the model's Hugging Face folder"):
         _load(str(p))
 
 

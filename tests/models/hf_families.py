@@ -58,14 +58,25 @@ FAMILIES = {
 def make_family_model(name: str, root: str, seed: int = 0) -> str:
     """Write variant ``name`` under ``root`` (random weights, norms perturbed so that a
     wrong norm form shows, bundled tokenizer files); its folder."""
-    config_cls, model_cls, extra = FAMILIES[name]
+    return save_with_tokenizer(random_model(*FAMILIES[name], seed), root, name)
+
+
+def random_model(config_cls: type, model_cls: type, extra: dict, seed: int
+                 ) -> torch.nn.Module:
+    """A transformers ``model_cls`` of ``config_cls(**_COMMON, **extra)`` with random weights
+    (``seed``), its norms perturbed so that a wrong norm form shows."""
     torch.manual_seed(seed)
-    config = config_cls(**{**_COMMON, **extra})
-    model = model_cls(config).eval()
+    model = model_cls(config_cls(**{**_COMMON, **extra})).eval()
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "norm" in n:
                 p.add_(torch.randn_like(p) * 0.3)
+    return model
+
+
+def save_with_tokenizer(model: torch.nn.Module, root: str, name: str) -> str:
+    """``model.save_pretrained`` into ``root/name`` (safetensors) with the bundled model's
+    tokenizer files; the folder."""
     path = os.path.join(root, name)
     model.save_pretrained(path, safe_serialization=True)
     for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):

@@ -89,3 +89,28 @@ def test_rope_frequencies_equal_transformers(tmp_path, rope: dict) -> None:
     # the table is full width: cos = [c, c], sin = [-s, s] (rotation = x cos + roll(x) sin)
     torch.testing.assert_close(ours.cos_sin[:, 0], torch.cat((cos, cos), -1), rtol=0, atol=0)
     torch.testing.assert_close(ours.cos_sin[:, 1], torch.cat((-sin, sin), -1), rtol=0, atol=0)
+
+
+MOE_FIELDS = ("num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+              "decoder_sparse_step", "mlp_only_layers", "num_local_experts")
+
+
+@pytest.mark.parametrize("arch,model_type", [("Qwen3MoeForCausalLM", "qwen3_moe"),
+                                             ("MixtralForCausalLM", "mixtral")])
+def test_moe_configs_read_as_transformers_reads_them(tmp_path, arch: str,
+                                                     model_type: str) -> None:
+    """Missing MoE fields get transformers' defaults (Mixtral's RoPE theta 1e6 too), and the
+    sparse layers and expert count nybble derives agree with transformers' config."""
+    from nybble.models.registry import arch_spec
+
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump({**MINIMAL, "architectures": [arch], "model_type": model_type}, f)
+    _assert_same(str(tmp_path))
+    ours, hf = load_hf_config(str(tmp_path)), AutoConfig.from_pretrained(str(tmp_path))
+    for name in MOE_FIELDS:
+        assert getattr(ours, name, None) == getattr(hf, name, None), name
+    moe = arch_spec(ours).moe
+    assert moe is not None
+    experts = hf.num_experts if arch.startswith("Qwen") else hf.num_local_experts
+    assert (moe.num_experts, moe.top_k) == (experts, hf.num_experts_per_tok)
+    assert all(moe.sparse_layers) and len(moe.sparse_layers) == hf.num_hidden_layers

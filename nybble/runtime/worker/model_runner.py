@@ -131,7 +131,10 @@ class ModelRunner:
         self.step_hook: Callable[[ScheduledBatch], None] | None = None
         self.graphs: DecodeGraphs | None = None
         # NOTE: no CUDA graphs under tensor parallelism: every rank must replay in lockstep
-        if device.type == "cuda" and not cc.enforce_eager and \
+        blocker = self.model.cuda_graph_blocker() if device.type == "cuda" else None
+        if blocker is not None and not cc.enforce_eager:
+            logger.info("CUDA graphs off: %s", blocker)
+        if device.type == "cuda" and not cc.enforce_eager and blocker is None and \
                 not loaded.model.layout.sharded and \
                 self.model.attention_backend.name == "triton":
             self.graphs = DecodeGraphs(
