@@ -12,6 +12,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from nybble.config import DEFAULT_MODEL, EngineConfig
+from nybble.lora_request import LoRARequest
 from nybble.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, RequestOutput
 from nybble.sampling_params import BeamSearchParams, SamplingParams
 from nybble.version import __version__
@@ -25,6 +26,7 @@ __all__ = [
     "CompletionOutput",
     "EngineConfig",
     "LLMEngine",
+    "LoRARequest",
     "RequestOutput",
     "SamplingParams",
     "__version__",
