@@ -14,7 +14,7 @@ def make_adapter(base: str, folder: str, r: int, alpha: float, seed: int,
                  use_rslora: bool = False, targets: tuple[str, ...] = (
                      "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                      "down_proj"),
-                 scale: float = 0.3, **config: Any) -> str:
+                 scale: float = 0.1, **config: Any) -> str:
     """Save a LoRA adapter of ``base`` to ``folder`` (its A and B random with ``seed``;
     ``config``: more ``LoraConfig`` fields) and return the folder."""
     from peft import LoraConfig, get_peft_model
@@ -34,25 +34,30 @@ def make_adapter(base: str, folder: str, r: int, alpha: float, seed: int,
     return folder
 
 
-def peft_logits(base: str, adapter: str | None, token_ids: list[int]) -> torch.Tensor:
-    """Float32 logits ``[len(token_ids), vocab]`` of transformers (+ PEFT when ``adapter``)."""
-    from peft import PeftModel
-    from transformers import LlamaForCausalLM
+class PeftOracle:
+    """transformers' LlamaForCausalLM of ``base`` in float32, with the PEFT ``adapter`` on
+    top when given: the reference nybble's LoRA outputs are compared with."""
 
-    model = LlamaForCausalLM.from_pretrained(base, torch_dtype=torch.float32)
-    if adapter is not None:
-        model = PeftModel.from_pretrained(model, adapter)
-    model.eval()
-    with torch.no_grad():
-        return model(torch.tensor([token_ids])).logits[0].float()
+    def __init__(self, base: str, adapter: str | None) -> None:
+        from peft import PeftModel
+        from transformers import LlamaForCausalLM
 
+        model = LlamaForCausalLM.from_pretrained(base, torch_dtype=torch.float32)
+        self.model = (PeftModel.from_pretrained(model, adapter) if adapter else model).eval()
 
-def peft_greedy(base: str, adapter: str | None, token_ids: list[int], steps: int) -> list[int]:
-    """Greedy continuation by transformers (+ PEFT), ``steps`` tokens, no EOS stop."""
-    ids = list(token_ids)
-    for _ in range(steps):
-        ids.append(int(peft_logits(base, adapter, ids)[-1].argmax()))
-    return ids[len(token_ids):]
+    def logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Float32 logits ``[len(token_ids), vocab]``."""
+        with torch.no_grad():
+            return self.model(torch.tensor([token_ids])).logits[0].float()
+
+    def greedy(self, token_ids: list[int], steps: int) -> tuple[list[int], list[float]]:
+        """Greedy continuation of ``steps`` tokens (no EOS stop) and each token's logprob."""
+        ids, lps = list(token_ids), []
+        for _ in range(steps):
+            logprobs = torch.log_softmax(self.logits(ids)[-1], -1)
+            ids.append(int(logprobs.argmax()))
+            lps.append(float(logprobs[ids[-1]]))
+        return ids[len(token_ids):], lps
 
 
 def edit_config(folder: str, **changes: Any) -> str:

@@ -1,0 +1,121 @@
+"""Multi-LoRA serving offline: one mixed batch of base and adapter requests gives what
+transformers + PEFT give for each alone (greedy tokens and top-5 logprobs, float32), on the
+bundled model and on stories3m; requests wait for a device slot instead of failing; the
+prefix cache never shares KV across adapters."""
+from __future__ import annotations
+
+import pytest
+import torch
+from nybble import LLM, LoRARequest, SamplingParams
+from nybble.config import DEFAULT_MODEL
+
+from tests.conftest import shared_path
+from tests.lora.adapters import PeftOracle, make_adapter
+
+PROMPTS = ["Once upon a time", "Tom and Sue went to the park", "The little dog",
+           "Lily had a red ball"]
+STEPS = 8
+TOL = 2e-4
+"""Logprob tolerance: float32 rounding of another op order (the float32 oracle itself is
+5e-5 from its float64 self on these adapters)."""
+
+
+def _adapters(base: str, folder) -> tuple[str, str]:
+    """Rank 8 (alpha 16; down_proj rank 4 and q_proj alpha 3 by pattern) and rank 16 rsLoRA
+    (alpha 8) on every projection."""
+    a = make_adapter(base, str(folder / "a"), r=8, alpha=16, seed=1,
+                     rank_pattern={"down_proj": 4}, alpha_pattern={"q_proj": 3})
+    b = make_adapter(base, str(folder / "b"), r=16, alpha=8, seed=2, use_rslora=True)
+    return a, b
+
+
+@pytest.fixture(scope="module", params=["stories260k", "stories3m"])
+def setup(request, tmp_path_factory):
+    base = DEFAULT_MODEL if request.param == "stories260k" else \
+        shared_path("models", "stories3m")
+    a, b = _adapters(base, tmp_path_factory.mktemp(request.param))
+    llm = LLM(base, enable_lora=True, max_loras=2, max_lora_rank=16, dtype="float32")
+    yield base, llm, LoRARequest("a", 1, a), LoRARequest("b", 2, b)
+    llm.shutdown()
+
+
+def _check_against_peft(base: str, outs, loras) -> None:
+    oracles = {}
+    for out, lora in zip(outs, loras):
+        path = None if lora is None else lora.lora_path
+        oracle = oracles.setdefault(path, PeftOracle(base, path))
+        tokens, _ = oracle.greedy(list(out.prompt_token_ids), STEPS)
+        sample = out.outputs[0]
+        assert list(sample.token_ids) == tokens, (path, out.prompt)
+        ids = list(out.prompt_token_ids)
+        if out.prompt_logprobs is not None:     # the prefill's logits, every position
+            want = torch.log_softmax(oracle.logits(ids), -1)
+            for pos, top in enumerate(out.prompt_logprobs[1:]):
+                for tid, lp in top.items():
+                    assert abs(lp - float(want[pos, tid])) < TOL, (path, pos, tid)
+        for step, (token, top) in enumerate(zip(sample.token_ids, sample.logprobs)):
+            want = torch.log_softmax(oracle.logits(ids + list(sample.token_ids[:step]))[-1], -1)
+            for tid, lp in top.items():
+                assert abs(lp - float(want[tid])) < TOL, (path, step, tid, lp, float(want[tid]))
+
+
+def test_a_mixed_batch_equals_transformers_peft(setup) -> None:
+    base, llm, a, b = setup
+    loras = [None, a, b, a]
+    params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, logprobs=5,
+                            prompt_logprobs=5)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False, lora_request=loras)
+    _check_against_peft(base, outs, loras)
+    # the adapters change the outputs (the comparison above is not of the base model thrice)
+    assert len({tuple(o.outputs[0].token_ids) for o in outs[:3]}) == 3
+
+
+def test_requests_wait_for_a_slot_and_steps_hold_at_most_max_loras_adapters(tmp_path) -> None:
+    a, b = _adapters(DEFAULT_MODEL, tmp_path)
+    loras = [LoRARequest("a", 1, a), LoRARequest("b", 2, b), None, LoRARequest("a", 1, a)]
+    with LLM(DEFAULT_MODEL, enable_lora=True, max_loras=1, max_lora_rank=16) as llm:
+        engine = llm.llm_engine
+        params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, logprobs=5)
+        for i, (prompt, lora) in enumerate(zip(PROMPTS, loras)):
+            engine.add_request(str(i), prompt, params, lora_request=lora)
+        admission = engine.engine_core.lora
+        assert list(admission.waiting) == ["1"]          # b waits: a holds the one slot
+        finished, seen_waiting = {}, False
+        while engine.has_unfinished_requests():
+            running, waiting = admission.counts()
+            assert len(running) <= 1
+            seen_waiting |= bool(waiting)
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+        assert seen_waiting and not admission.waiting and not admission.slot_of
+        _check_against_peft(DEFAULT_MODEL, [finished[str(i)] for i in range(4)], loras)
+
+
+def test_prefix_cache_blocks_are_never_shared_across_adapters(tmp_path) -> None:
+    a, b = _adapters(DEFAULT_MODEL, tmp_path)
+    prompt = " ".join(["Once upon a time there was a little girl named Lily."] * 3)
+    la, lb = LoRARequest("a", 1, a), LoRARequest("b", 2, b)
+    params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, logprobs=5)
+    with LLM(DEFAULT_MODEL, enable_lora=True, max_loras=2, max_lora_rank=16,
+             block_size=8) as llm:
+        order = [None, la, lb, la]
+        outs = [llm.generate([prompt], params, use_tqdm=False, lora_request=lora)[0]
+                for lora in order]
+    assert [o.num_cached_tokens for o in outs[:3]] == [0, 0, 0]   # other roots: no hit
+    assert outs[3].num_cached_tokens > 0                          # same adapter: hit
+    _check_against_peft(DEFAULT_MODEL, outs, order)
+
+
+def test_lora_requests_without_enable_lora_or_with_beam_search_are_refused(tmp_path) -> None:
+    from nybble.errors import InvalidRequestError
+
+    a = make_adapter(DEFAULT_MODEL, str(tmp_path / "a"), r=4, alpha=8, seed=3)
+    with LLM(DEFAULT_MODEL) as llm:
+        with pytest.raises(InvalidRequestError, match="enable_lora"):
+            llm.generate(["Hi"], SamplingParams(max_tokens=2), use_tqdm=False,
+                         lora_request=LoRARequest("a", 1, a))
+    with LLM(DEFAULT_MODEL, enable_lora=True) as llm:
+        with pytest.raises(InvalidRequestError, match="beam search"):
+            llm.generate(["Hi"], SamplingParams(max_tokens=2, n=2, use_beam_search=True),
+                         use_tqdm=False, lora_request=LoRARequest("a", 1, a))
