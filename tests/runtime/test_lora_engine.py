@@ -119,3 +119,41 @@ def test_lora_requests_without_enable_lora_or_with_beam_search_are_refused(tmp_p
         with pytest.raises(InvalidRequestError, match="beam search"):
             llm.generate(["Hi"], SamplingParams(max_tokens=2, n=2, use_beam_search=True),
                          use_tqdm=False, lora_request=LoRARequest("a", 1, a))
+
+
+def test_base_steps_keep_the_fused_cpu_step_and_adapter_steps_leave_it(tmp_path) -> None:
+    a = make_adapter(DEFAULT_MODEL, str(tmp_path / "a"), r=8, alpha=16, seed=1)
+    params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)
+    with LLM(DEFAULT_MODEL) as plain:
+        base = plain.generate(PROMPTS[:2], params, use_tqdm=False)
+    with LLM(DEFAULT_MODEL, enable_lora=True) as llm:
+        model = llm.llm_engine.engine_core.runner.model
+        fused = model.fused_decode
+        assert fused is not None                  # a float32 model qualifies
+        calls: list[bool] = []
+
+        def counted(*args):
+            calls.append(model.lora.token_slots is None)
+            return fused(*args)
+        model.fused_decode = counted
+        outs = llm.generate(PROMPTS[:2], params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in base]
+        assert calls and all(calls)
+        before = len(calls)
+        llm.generate(PROMPTS[:2], params, use_tqdm=False,
+                     lora_request=LoRARequest("a", 1, a))
+        assert len(calls) == before               # no step with an adapter row ran it
+
+
+def test_a_bad_adapter_fails_its_request_and_the_engine_goes_on(tmp_path) -> None:
+    from nybble.errors import LoRAAdapterError
+
+    dora = make_adapter(DEFAULT_MODEL, str(tmp_path / "dora"), r=4, alpha=8, seed=5,
+                        use_dora=True)
+    with LLM(DEFAULT_MODEL, enable_lora=True) as llm:
+        with pytest.raises(LoRAAdapterError, match="DoRA"):
+            llm.generate(["Hi"], SamplingParams(max_tokens=2), use_tqdm=False,
+                         lora_request=LoRARequest("dora", 1, dora))
+        assert not llm.llm_engine.engine_core.has_unfinished_requests()
+        out = llm.generate(["Hi"], SamplingParams(max_tokens=2), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 2
