@@ -72,8 +72,9 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request
     renderer = ChatRenderer(state, req, new_id("chatcmpl", request), top, plan)
     include_usage = req.stream_options is not None and req.stream_options.include_usage
     try:
+        lora = state.lora_request(req.model)
         return await serve(request, state, renderer, params, names, t0, req.stream,
-                           include_usage, state.lora_request(req.model))  # type: ignore[return-value]
+                           include_usage, lora)  # type: ignore[return-value]
     except InvalidRequestError as e:   # NOTE: a tools grammar the core refused: name tools
         raise remap_grammar_error(plan, e) from None
 

@@ -12,6 +12,7 @@ from nybble.config import DEFAULT_MODEL
 from tests.conftest import shared_path
 from tests.lora.adapters import PeftOracle, make_adapter
 
+pytestmark = pytest.mark.slow
 PROMPTS = ["Once upon a time", "Tom and Sue went to the park", "The little dog",
            "Lily had a red ball"]
 STEPS = 8
@@ -157,3 +158,15 @@ def test_a_bad_adapter_fails_its_request_and_the_engine_goes_on(tmp_path) -> Non
         assert not llm.llm_engine.engine_core.has_unfinished_requests()
         out = llm.generate(["Hi"], SamplingParams(max_tokens=2), use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) == 2
+
+
+def test_parallel_samples_of_an_adapter_request_all_run_under_it(tmp_path) -> None:
+    a = make_adapter(DEFAULT_MODEL, str(tmp_path / "a"), r=8, alpha=16, seed=1)
+    lora = LoRARequest("a", 1, a)
+    with LLM(DEFAULT_MODEL, enable_lora=True) as llm:
+        out = llm.generate([PROMPTS[0]], SamplingParams(n=3, temperature=0, max_tokens=STEPS,
+                                                        ignore_eos=True),
+                           use_tqdm=False, lora_request=lora)[0]
+        tokens, _ = PeftOracle(DEFAULT_MODEL, a).greedy(list(out.prompt_token_ids), STEPS)
+        assert [list(o.token_ids) for o in out.outputs] == [tokens] * 3
+        assert not llm.llm_engine.engine_core.lora.slot_of      # the pin went at the end

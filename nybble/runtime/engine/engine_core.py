@@ -548,7 +548,9 @@ class EngineCore:
         """Current load; see :class:`EngineStats`."""
         s = self.scheduler
         used = s.num_blocks - s.num_free_blocks
-        return EngineStats(num_running=s.num_running, num_waiting=s.num_waiting,
+        # NOTE: LoRA requests waiting for a device slot wait too (not yet in the scheduler)
+        held = 0 if self.lora is None else len(self.lora.waiting)
+        return EngineStats(num_running=s.num_running, num_waiting=s.num_waiting + held,
                            num_free_blocks=s.num_free_blocks, num_blocks=s.num_blocks,
                            kv_cache_usage=used / s.num_blocks, num_preemptions=s.num_preemptions,
                            peak_num_seqs_in_step=self._peak_seqs, num_steps=self._num_steps,

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from nybble.config import LoRAConfig
+from nybble.errors import LoRAAdapterError
 from nybble.lora_files import read_adapter
 from nybble.lora_request import LoRARequest
 from nybble.models.llama import LlamaForCausalLM
@@ -64,8 +65,6 @@ class LoRAManager:
                 :func:`~nybble.lora_files.read_adapter`), or ``lora_int_id`` was used before
                 for another folder.
         """
-        from nybble.errors import LoRAAdapterError
-
         known = self._paths.get(lora.lora_int_id)
         if known is not None and known != lora.lora_path:
             raise LoRAAdapterError(f"lora_int_id {lora.lora_int_id} names {known} already, "
@@ -103,7 +102,9 @@ class LoRAManager:
             if not free:
                 return None
             slot = min(free, key=lambda s: (self._resident[s] is not None, self._used[s]))
-            self.slots.write(slot, self.load(lora))
+            weights = self.load(lora)
+            self._resident[slot] = None     # NOTE: write() clears the slot before it fills it
+            self.slots.write(slot, weights)
             self._resident[slot] = lid
         self._pins[slot] += 1
         self._used[slot] = self._clock

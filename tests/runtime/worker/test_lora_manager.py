@@ -15,6 +15,8 @@ from nybble.runtime.scheduler.batch import ScheduledBatch
 from nybble.runtime.worker.lora_manager import LoRAManager
 from tests.lora.adapters import make_adapter
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> list[str]:
