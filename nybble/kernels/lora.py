@@ -26,11 +26,47 @@ Two equivalent ways, chosen by size (both checked against :func:`add_lora_refere
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 GATHER_MAX_ROWS = 16
-"""Batches of at most this many rows (times the slots, see :func:`add_lora`) take the
-gathered path."""
+"""Batches of at most this many rows (and fewer than 4 per slot) take the gathered path."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoRARows:
+    """A step's row-to-slot map, prepared once and read by every adapted projection.
+
+    Attributes:
+        token_slots: ``[T]`` int64 slot of each row, ``-1``: base.
+        gathered: the step takes the gathered path (few rows).
+        index: ``[T]`` int64 slot with base rows at 0 (gathered path; their update is
+            zeroed by ``keep``).
+        keep: ``[T, 1, 1]`` 1 for adapter rows, 0 for base rows (gathered path).
+        own: ``[T, S, 1]`` one-hot of each row's slot, all 0 for base rows (stacked path).
+    """
+
+    token_slots: torch.Tensor
+    gathered: bool
+    index: torch.Tensor | None = None
+    keep: torch.Tensor | None = None
+    own: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, token_slots: torch.Tensor, num_slots: int, dtype: torch.dtype,
+           gathered: bool | None = None) -> LoRARows:
+        """Prepare ``token_slots`` (``[T]`` int64, ``-1``: base) for ``num_slots`` slots and
+        activations of ``dtype``; ``gathered``: force a path (default: by size)."""
+        rows = token_slots.shape[0]
+        if gathered is None:
+            gathered = rows <= GATHER_MAX_ROWS and rows < 4 * num_slots
+        if gathered:
+            return cls(token_slots, True, index=token_slots.clamp(min=0),
+                       keep=(token_slots >= 0).to(dtype).view(-1, 1, 1))
+        slots = torch.arange(num_slots, device=token_slots.device)
+        return cls(token_slots, False,
+                   own=(token_slots.unsqueeze(1) == slots).to(dtype).unsqueeze(-1))
 
 
 def _check(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
@@ -58,30 +94,32 @@ def add_lora_reference(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor,
 
 
 def add_lora_gathered(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor,
-                      lora_b: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
+                      lora_b: torch.Tensor, rows: LoRARows) -> torch.Tensor:
     """Per-row gather of each row's slot, then two ``bmm`` (BGMV). Shapes and result as
-    :func:`add_lora`."""
-    idx = token_slots.clamp(min=0)
-    h = torch.bmm(lora_a.index_select(0, idx), x.unsqueeze(-1))          # (T, R, 1)
-    h.mul_((token_slots >= 0).to(h.dtype).view(-1, 1, 1))                # base rows: zero
-    y += torch.bmm(lora_b.index_select(0, idx), h).squeeze(-1)           # (T, out)
+    :func:`add_lora`; ``rows`` prepared with ``gathered`` set."""
+    assert rows.index is not None and rows.keep is not None
+    h = torch.bmm(lora_a.index_select(0, rows.index), x.unsqueeze(-1))    # (T, R, 1)
+    h.mul_(rows.keep)                                                     # base rows: zero
+    y += torch.bmm(lora_b.index_select(0, rows.index), h).squeeze(-1)     # (T, out)
     return y
 
 
 def add_lora_stacked(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor,
-                     lora_b: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
+                     lora_b: torch.Tensor, rows: LoRARows) -> torch.Tensor:
     """Shrink through every slot, mask the other slots' columns, expand through every slot
-    (two GEMMs). Shapes and result as :func:`add_lora`."""
+    (two GEMMs). Shapes and result as :func:`add_lora`; ``rows`` prepared without
+    ``gathered``."""
+    assert rows.own is not None
     num_slots, rank, width = lora_a.shape
     h = x @ lora_a.reshape(num_slots * rank, width).t()                  # (T, S * R)
-    own = token_slots.unsqueeze(1) == torch.arange(num_slots, device=x.device)  # (T, S)
-    h = h.view(-1, num_slots, rank).mul_(own.unsqueeze(-1).to(h.dtype))
+    h = h.view(-1, num_slots, rank).mul_(rows.own)
+    # NOTE: a free view when lora_b is the transpose of an [S, R, out] tensor (LoRASlots)
     y += h.view(-1, num_slots * rank) @ lora_b.transpose(1, 2).reshape(num_slots * rank, -1)
     return y
 
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-             token_slots: torch.Tensor) -> torch.Tensor:
+             rows: LoRARows | torch.Tensor) -> torch.Tensor:
     """Add each token row's LoRA update to the base projection's output, in place.
 
     Args:
@@ -91,7 +129,8 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: tor
             to ``R``).
         lora_b: ``[S, out, R]`` stacked up-projections, each already times its adapter's
             scale.
-        token_slots: ``[T]`` int64 slot of each row; ``-1``: the base model (nothing added).
+        rows: the step's :class:`LoRARows` (prepared once per step), or ``token_slots``
+            itself: ``[T]`` int64 slot of each row, ``-1`` for the base model (nothing added).
 
     Returns:
         ``y``, where ``y[t] += lora_b[s] @ lora_a[s] @ x[t]`` for ``s = token_slots[t] >= 0``.
@@ -99,7 +138,9 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: tor
     Raises:
         ValueError: shapes that do not fit together.
     """
-    _check(y, x, lora_a, lora_b, token_slots)
-    if x.shape[0] <= GATHER_MAX_ROWS and x.shape[0] < 4 * lora_a.shape[0]:
-        return add_lora_gathered(y, x, lora_a, lora_b, token_slots)
-    return add_lora_stacked(y, x, lora_a, lora_b, token_slots)
+    if isinstance(rows, torch.Tensor):
+        rows = LoRARows.of(rows, lora_a.shape[0], x.dtype)
+    _check(y, x, lora_a, lora_b, rows.token_slots)
+    if rows.gathered:
+        return add_lora_gathered(y, x, lora_a, lora_b, rows)
+    return add_lora_stacked(y, x, lora_a, lora_b, rows)

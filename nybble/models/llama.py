@@ -303,8 +303,7 @@ class LlamaForCausalLM(nn.Module):
         ``[T, hidden]``; writes the step's K/V into ``kv_caches`` (see
         :func:`nybble.models.layer_ops.run_step`; or the fused CPU step when it is on and takes
         this step; never for a step with LoRA rows, see :attr:`lora`)."""
-        if self.fused_decode is not None and (self.lora is None or
-                                              self.lora.token_slots is None):
+        if self.fused_decode is not None and (self.lora is None or self.lora.rows is None):
             hidden = self.fused_decode(input_ids, positions, kv_caches, meta)
             if hidden is not None:
                 return hidden

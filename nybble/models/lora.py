@@ -10,8 +10,10 @@ so one shrink and one expand serve all three; gate/up likewise (``R' = 2 R``). T
 works on the output of whatever linear the base uses (dense, GPTQ/AWQ, GGUF): the update is
 added after it.
 
-Each step the runner sets :attr:`LoRASlots.token_slots` (``[T]`` int64, ``-1`` = base) or
-leaves it ``None`` when no row of the step uses an adapter (then nothing extra runs).
+Each step the runner calls :meth:`LoRASlots.set_step` with the slot of every token row
+(``[T]`` int64, ``-1`` = base), or ``None`` when no row of the step uses an adapter (then
+nothing extra runs); the rows are prepared once (:class:`~nybble.kernels.lora.LoRARows`) for
+every projection of the step.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import torch
 from safetensors import safe_open
 
 from nybble.errors import LoRAAdapterError
-from nybble.kernels.lora import add_lora
+from nybble.kernels.lora import LoRARows, add_lora
 from nybble.lora_files import LORA_MODULES, AdapterSpec, BaseTargets
 from nybble.models.layer_ops import Fn, LayerOps
 
@@ -77,7 +79,8 @@ class LoRASlots:
     def __init__(self, base: BaseTargets, max_loras: int, max_rank: int, dtype: torch.dtype,
                  device: torch.device) -> None:
         self.base, self.max_loras, self.max_rank = base, max_loras, max_rank
-        self.token_slots: torch.Tensor | None = None
+        self.dtype = dtype
+        self.rows: LoRARows | None = None      # this step's rows, None: no adapter row
         # layer -> LayerOps field -> (lora_a [S, n R, in], lora_b [S, sum(out), n R])
         self.stacks: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
         for _ in range(base.num_layers):
@@ -86,9 +89,18 @@ class LoRASlots:
                 width = base.shapes[names[0]][0]
                 out = sum(base.shapes[n][1] for n in names)
                 rank = len(names) * max_rank
+                # NOTE: lora_b is the [S, out, R'] view of an [S, R', out] tensor: the stacked
+                # path's expand then reads it as one [S * R', out] matrix without a copy
+                b = torch.zeros(max_loras, rank, out, dtype=dtype, device=device)
                 layer[field] = (torch.zeros(max_loras, rank, width, dtype=dtype, device=device),
-                                torch.zeros(max_loras, out, rank, dtype=dtype, device=device))
+                                b.transpose(1, 2))
             self.stacks.append(layer)
+
+    def set_step(self, token_slots: torch.Tensor | None) -> None:
+        """The next step's slot of each token row (``[T]`` int64, ``-1``: base), or ``None``
+        when no row uses an adapter."""
+        self.rows = None if token_slots is None else \
+            LoRARows.of(token_slots, self.max_loras, self.dtype)
 
     @property
     def nbytes(self) -> int:
@@ -144,8 +156,8 @@ class LoRASlots:
     def _projection(self, base: Fn, lora_a: torch.Tensor, lora_b: torch.Tensor) -> Fn:
         def run(x: torch.Tensor) -> torch.Tensor:
             y = base(x)
-            slots = self.token_slots
-            return y if slots is None else add_lora(y, x, lora_a, lora_b, slots)
+            rows = self.rows
+            return y if rows is None else add_lora(y, x, lora_a, lora_b, rows)
         return run
 
 

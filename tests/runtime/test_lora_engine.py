@@ -134,7 +134,7 @@ def test_base_steps_keep_the_fused_cpu_step_and_adapter_steps_leave_it(tmp_path)
         calls: list[bool] = []
 
         def counted(*args):
-            calls.append(model.lora.token_slots is None)
+            calls.append(model.lora.rows is None)
             return fused(*args)
         model.fused_decode = counted
         outs = llm.generate(PROMPTS[:2], params, use_tqdm=False)

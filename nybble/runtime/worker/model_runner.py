@@ -223,7 +223,8 @@ class ModelRunner:
             self.proposer.propose(batch)
         token_slots = None
         if self.lora is not None:
-            token_slots = self.model.lora.token_slots = self.lora.token_slots(batch)
+            token_slots = self.lora.token_slots(batch)
+            self.model.lora.set_step(token_slots)
         if self.graphs is not None and token_slots is None and self.graphs.can_run(batch):
             return self.graphs.run(batch)
         input_ids, positions, meta = self.prepare(batch)
