@@ -150,10 +150,16 @@ async def _serve(client: CoreClient, sock: socket.socket, engine_config: EngineC
     lora = None
     if ready.limits.lora is not None:
         lora = LoRARegistry(ready.limits.lora, model_name, names)
-        for name, path, base in server_config.lora_modules:   # NOTE: a bad folder: no server
-            lora.check(name, path, base)
-            lora.add(name, path, base)
-            logger.info("LoRA adapter %s from %s", name, path)
+        try:
+            for name, path, base in server_config.lora_modules:  # NOTE: a bad folder: no server
+                lora.check(name, path, base)
+                lora.add(name, path, base)
+                logger.info("LoRA adapter %s from %s", name, path)
+        except ValueError as e:     # NOTE: stop as a failed handshake does
+            startup.failed(str(e))
+            server.should_exit = True
+            await serving
+            raise
     attach_engine(app, ServerState(
         engine=engine, input_processor=gate, config=server_config, model_name=model_name,
         model_aliases=names[1:],

@@ -205,3 +205,14 @@ def test_lora_modules_forms(tmp_path: Path) -> None:
     for bad in ("no-equals", "=path", '{"name": "x"}', '{"name": "x", "path": "/p", "r": 1}'):
         with pytest.raises(argparse.ArgumentTypeError, match="--lora-modules"):
             parse_lora_module(bad)
+
+
+def test_a_bad_lora_module_stops_the_server_with_the_reason(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match="LoRA adapter /nonexistent: no such folder") as info:
+        proc, _ = start_server(tmp_path / "serve.log", "--enable-lora",
+                               "--lora-modules", "a=/nonexistent")
+        stop_server(proc)
+    assert "Traceback" not in str(info.value)
+    with pytest.raises(RuntimeError, match="--lora-modules needs --enable-lora"):
+        proc, _ = start_server(tmp_path / "serve2.log", "--lora-modules", "a=/nonexistent")
+        stop_server(proc)
