@@ -124,7 +124,9 @@ class LLM:
              use_tqdm: bool = True, chat_template: str | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
              tools: list[dict[str, Any]] | None = None,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict[str, Any] | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+             ) -> list[RequestOutput]:
         """Generate the answer to a conversation, or to each of several (vLLM's
         ``LLM.chat``): rendered with the chat template exactly as the server renders a chat
         completion (:mod:`nybble.tokenizer.chat_messages`), so with the same sampling the
@@ -141,6 +143,8 @@ class LLM:
             tools: function specs for the template's ``tools`` variable
                 (``[{"type": "function", "function": {"name", "parameters", ...}}]``).
             chat_template_kwargs: extra template variables (e.g. ``enable_thinking``).
+            lora_request: the LoRA adapter of every conversation, or one per conversation
+                (as in :meth:`generate`).
 
         Returns:
             One :class:`RequestOutput` per conversation (the raw text: tool-call markup is
@@ -162,7 +166,7 @@ class LLM:
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message, chat_template=chat_template,
                 template_kwargs=chat_template_kwargs, tools=tools))
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:

@@ -170,3 +170,34 @@ def test_parallel_samples_of_an_adapter_request_all_run_under_it(tmp_path) -> No
         tokens, _ = PeftOracle(DEFAULT_MODEL, a).greedy(list(out.prompt_token_ids), STEPS)
         assert [list(o.token_ids) for o in out.outputs] == [tokens] * 3
         assert not llm.llm_engine.engine_core.lora.slot_of      # the pin went at the end
+
+
+def test_chunked_prefill_and_preemption_keep_each_rows_adapter(tmp_path) -> None:
+    a, b = _adapters(DEFAULT_MODEL, tmp_path)
+    loras = [LoRARequest("a", 1, a), LoRARequest("b", 2, b), None, LoRARequest("a", 1, a)]
+    prompts = [p + " and they played all day long in the sun" for p in PROMPTS]
+    steps = 24
+    with LLM(DEFAULT_MODEL, enable_lora=True, max_loras=2, max_lora_rank=16, block_size=8,
+             num_gpu_blocks=12, max_num_batched_tokens=16) as llm:
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=steps,
+                                                    ignore_eos=True),
+                            use_tqdm=False, lora_request=loras)
+        assert llm.llm_engine.scheduler.num_preemptions > 0
+    for out, lora in zip(outs, loras):
+        oracle = PeftOracle(DEFAULT_MODEL, None if lora is None else lora.lora_path)
+        tokens, _ = oracle.greedy(list(out.prompt_token_ids), steps)
+        assert list(out.outputs[0].token_ids) == tokens
+
+
+def test_chat_takes_a_lora_request_too(tmp_path) -> None:
+    a = make_adapter(DEFAULT_MODEL, str(tmp_path / "a"), r=8, alpha=16, seed=1)
+    conversation = [{"role": "user", "content": "Tom found a red ball."}]
+    params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)
+    with LLM(DEFAULT_MODEL, enable_lora=True) as llm:
+        chat = llm.chat(conversation, params, use_tqdm=False,
+                        lora_request=LoRARequest("a", 1, a))[0]
+        plain = llm.generate([chat.prompt_token_ids], params, use_tqdm=False,
+                             lora_request=LoRARequest("a", 1, a))[0]
+        base = llm.chat(conversation, params, use_tqdm=False)[0]
+    assert chat.outputs[0].token_ids == plain.outputs[0].token_ids
+    assert chat.outputs[0].token_ids != base.outputs[0].token_ids
