@@ -245,6 +245,7 @@ class LlamaForCausalLM(nn.Module):
         self.lora = LoRASlots(self.lora_targets(), max_loras, max_rank, weight.dtype,
                               weight.device)
         self._ops = None
+        self.fused_decode = None     # NOTE: built again with the slots (enable_fused_cpu_decode)
         return self.lora
 
     def ops(self) -> ModelOps:
@@ -302,8 +303,10 @@ class LlamaForCausalLM(nn.Module):
         """``input_ids, positions: [T]`` (int32 or int64) -> final hidden states
         ``[T, hidden]``; writes the step's K/V into ``kv_caches`` (see
         :func:`nybble.models.layer_ops.run_step`; or the fused CPU step when it is on and takes
-        this step; never for a step with LoRA rows, see :attr:`lora`)."""
-        if self.fused_decode is not None and (self.lora is None or self.lora.rows is None):
+        this step; a step with LoRA rows only when the fused step was built with the model's
+        LoRA slots)."""
+        if self.fused_decode is not None and (self.lora is None or self.lora.rows is None or
+                                              self.fused_decode.lora is self.lora):
             hidden = self.fused_decode(input_ids, positions, kv_caches, meta)
             if hidden is not None:
                 return hidden

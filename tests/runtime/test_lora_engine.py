@@ -122,28 +122,37 @@ def test_lora_requests_without_enable_lora_or_with_beam_search_are_refused(tmp_p
                          use_tqdm=False, lora_request=LoRARequest("a", 1, a))
 
 
-def test_base_steps_keep_the_fused_cpu_step_and_adapter_steps_leave_it(tmp_path) -> None:
+def test_the_fused_cpu_step_runs_base_and_adapter_steps(tmp_path) -> None:
     a = make_adapter(DEFAULT_MODEL, str(tmp_path / "a"), r=8, alpha=16, seed=1)
-    params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, logprobs=1)
+    lora = LoRARequest("a", 1, a)
     with LLM(DEFAULT_MODEL) as plain:
         base = plain.generate(PROMPTS[:2], params, use_tqdm=False)
+    with LLM(DEFAULT_MODEL, enable_lora=True, enforce_eager=True) as eager:
+        torch_path = eager.generate(PROMPTS[:2], params, use_tqdm=False, lora_request=lora)
+        assert eager.llm_engine.engine_core.runner.model.fused_decode is None
     with LLM(DEFAULT_MODEL, enable_lora=True) as llm:
         model = llm.llm_engine.engine_core.runner.model
         fused = model.fused_decode
-        assert fused is not None                  # a float32 model qualifies
+        assert fused is not None and fused.lora is model.lora   # built with the slots
         calls: list[bool] = []
 
-        def counted(*args):
-            calls.append(model.lora.rows is None)
-            return fused(*args)
-        model.fused_decode = counted
+        class Counted:
+            lora = fused.lora
+
+            def __call__(self, *args):
+                calls.append(model.lora.rows is not None)
+                return fused(*args)
+        model.fused_decode = Counted()
         outs = llm.generate(PROMPTS[:2], params, use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in base]
-        assert calls and all(calls)
-        before = len(calls)
-        llm.generate(PROMPTS[:2], params, use_tqdm=False,
-                     lora_request=LoRARequest("a", 1, a))
-        assert len(calls) == before               # no step with an adapter row ran it
+        assert calls and not any(calls)               # base steps: no adapter rows
+        fused_lora = llm.generate(PROMPTS[:2], params, use_tqdm=False, lora_request=lora)
+        assert any(calls)                             # adapter steps ran fused too
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in base]
+    for f, t in zip(fused_lora, torch_path):          # C step == torch path, to rounding
+        assert f.outputs[0].token_ids == t.outputs[0].token_ids
+        for fs, ts in zip(f.outputs[0].logprobs, t.outputs[0].logprobs):
+            assert all(abs(fs[k] - ts[k]) < 1e-4 for k in fs.keys() & ts.keys())
 
 
 def test_a_bad_adapter_fails_its_request_and_the_engine_goes_on(tmp_path) -> None:

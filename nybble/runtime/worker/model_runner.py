@@ -130,9 +130,8 @@ class ModelRunner:
             logger.info("CPU decode step: %s",
                         self.model.enable_fused_cpu_decode(self.kv_caches))
             if lora is not None and self.model.fused_decode is not None:
-                logger.info("CPU decode step with LoRA: the fused C step runs the steps whose "
-                            "rows all use the base model; a step with a LoRA row runs the "
-                            "torch path (the C step has no adapter slots)")
+                logger.info("CPU decode step with LoRA: the fused C step adds each row's "
+                            "adapter from the model's %d slot(s)", lora.config.max_loras)
             if proposer is not None:   # the draft model of speculative decoding too
                 logger.info("CPU draft step: %s",
                             proposer.model.enable_fused_cpu_decode(proposer.kv_caches))
