@@ -1,4 +1,4 @@
-"""LoRA on a GPTQ base: the adapter's update is added to the output of the packed 4-bit
+"""LoRA on GPTQ and AWQ bases: the adapter's update is added to the output of the packed 4-bit
 linear, so nybble's outputs equal transformers + PEFT on the dequantized base (float32
 activations, the CPU kernel's exact mode)."""
 from __future__ import annotations
@@ -19,14 +19,15 @@ from tests.conftest import shared_path
 from tests.lora.adapters import PeftOracle, make_adapter
 
 pytestmark = pytest.mark.slow
-GPTQ = "tiny-llama-gptq-4bit-g32"
+BASES = {"tiny-llama-gptq-4bit-g32": "gptq_model-4bit-32g.safetensors",
+         "tiny-llama-awq-4bit-g32": "model.safetensors"}
 
 
-def _dequantized_folder(gptq: str, folder: str) -> str:
-    """A float32 Hugging Face folder of the GPTQ model's dequantized weights."""
+def _dequantized_folder(gptq: str, weights: str, folder: str) -> str:
+    """A float32 Hugging Face folder of the quantized model's dequantized weights."""
     loaded = load_model(ModelConfig(model=gptq, dtype="float32"), TorchAttentionBackend(),
                         torch.device("cpu"))
-    raw = load_file(os.path.join(gptq, "gptq_model-4bit-32g.safetensors"))
+    raw = load_file(os.path.join(gptq, weights))
     tensors = {k: v.float() for k, v in raw.items()
                if not k.endswith((".qweight", ".qzeros", ".scales", ".g_idx", ".bias"))}
     assert all(not v.any() for k, v in raw.items() if k.endswith(".bias"))
@@ -49,9 +50,11 @@ def _dequantized_folder(gptq: str, folder: str) -> str:
     return folder
 
 
-def test_lora_on_a_gptq_base_equals_peft_on_the_dequantized_base(tmp_path) -> None:
-    gptq = shared_path("fixtures", "quant", GPTQ)
-    dense = _dequantized_folder(gptq, str(tmp_path / "dense"))
+@pytest.mark.parametrize("base", sorted(BASES))
+def test_lora_on_a_quantized_base_equals_peft_on_the_dequantized_base(base: str,
+                                                                      tmp_path) -> None:
+    gptq = shared_path("fixtures", "quant", base)
+    dense = _dequantized_folder(gptq, BASES[base], str(tmp_path / "dense"))
     adapter = make_adapter(dense, str(tmp_path / "a"), r=8, alpha=16, seed=1)
     prompt = [1, 40, 41, 42, 43, 44]
     with LLM(gptq, enable_lora=True, max_lora_rank=16, dtype="float32",
