@@ -23,6 +23,10 @@ Two equivalent ways, chosen by size (both checked against :func:`add_lora_refere
   (``x @ A_all^T``, ``[T, S * R]``), zero the columns of the slots a row does not use, and
   expand through all slots with one GEMM; no per-row weight copies, ``S`` times the flops of
   one adapter, the better choice for prefill-sized batches.
+
+On CUDA, :func:`add_lora` runs the Triton kernels of :mod:`nybble.kernels.triton.lora`
+(Punica's BGMV: one program per row and output tile, reading only its slot's weights; imported
+lazily, so CPU installs never import Triton).
 """
 from __future__ import annotations
 
@@ -141,6 +145,10 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: tor
     if isinstance(rows, torch.Tensor):
         rows = LoRARows.of(rows, lora_a.shape[0], x.dtype)
     _check(y, x, lora_a, lora_b, rows.token_slots)
+    if x.device.type == "cuda":
+        from nybble.kernels.triton import lora as triton_lora
+
+        return triton_lora.add_lora(y, x, lora_a, lora_b, rows.token_slots)
     if rows.gathered:
         return add_lora_gathered(y, x, lora_a, lora_b, rows)
     return add_lora_stacked(y, x, lora_a, lora_b, rows)
