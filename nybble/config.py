@@ -361,6 +361,43 @@ class ParallelConfig:
                self.distributed_timeout_s)
 
 
+MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The ``max_lora_rank`` values allowed (vLLM's list)."""
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA serving (vLLM's flag names; docs/lora.md).
+
+    Attributes:
+        enable_lora: serve LoRA adapters on top of the base model.
+        max_loras: device slots: the most distinct adapters in one step (a request whose
+            adapter finds every slot used by running requests waits).
+        max_lora_rank: the largest adapter rank served (slots are zero-padded to it).
+        max_cpu_loras: adapters kept loaded on the host (an LRU cache that fills the slots);
+            ``None``: ``max_loras``.
+    """
+
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.max_loras, int) and self.max_loras >= 1, "max_loras",
+               "an int >= 1", self.max_loras)
+        _check(self.max_lora_rank in MAX_LORA_RANKS, "max_lora_rank",
+               f"one of {MAX_LORA_RANKS}", self.max_lora_rank)
+        _check(self.max_cpu_loras is None or (isinstance(self.max_cpu_loras, int) and
+                                              self.max_cpu_loras >= self.max_loras),
+               "max_cpu_loras", f">= max_loras ({self.max_loras})", self.max_cpu_loras)
+
+    @property
+    def cpu_loras(self) -> int:
+        """Adapters the host cache holds."""
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs, built once (``EngineConfig.from_kwargs``).
@@ -376,6 +413,7 @@ class EngineConfig:
             vLLM's dict (or its JSON text).
         threads: torch intra-op threads of the process that runs the model; ``None``: the
             default of :func:`nybble.threads.resolve_threads`.
+        lora_config: multi-LoRA serving (:class:`LoRAConfig`; off by default).
     """
 
     model_config: ModelConfig = field(default_factory=ModelConfig)
@@ -387,6 +425,7 @@ class EngineConfig:
     threads: int | None = None
     speculative_config: SpeculativeConfig | None = None
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    lora_config: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
         _check(self.attention_backend in _ATTN_BACKENDS, "attention_backend",
@@ -400,6 +439,13 @@ class EngineConfig:
                     ("compilation_level", self.compilation_config.compilation_level, 0)):
                 _check(value == allowed, f"{name} with tensor_parallel_size > 1", repr(allowed),
                        value)
+        if self.lora_config.enable_lora:
+            # NOTE: a LoRA step reads per-row adapter slots that these paths do not carry
+            for name, value, allowed in (
+                    ("speculative_config", self.speculative_config, None),
+                    ("tensor_parallel_size", self.parallel_config.tensor_parallel_size, 1),
+                    ("compilation_level", self.compilation_config.compilation_level, 0)):
+                _check(value == allowed, f"{name} with enable_lora", repr(allowed), value)
 
     @classmethod
     def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> EngineConfig:
@@ -411,7 +457,7 @@ class EngineConfig:
         """
         parts: dict[type, dict[str, Any]] = {ModelConfig: {}, CacheConfig: {},
                                              SchedulerConfig: {}, CompilationConfig: {},
-                                             ParallelConfig: {}, cls: {}}
+                                             ParallelConfig: {}, LoRAConfig: {}, cls: {}}
         if model is not None:
             parts[ModelConfig]["model"] = model
         for key, value in kwargs.items():
@@ -429,6 +475,7 @@ class EngineConfig:
                    scheduler_config=SchedulerConfig(**parts[SchedulerConfig]),
                    compilation_config=CompilationConfig(**parts[CompilationConfig]),
                    parallel_config=ParallelConfig(**parts[ParallelConfig]),
+                   lora_config=LoRAConfig(**parts[LoRAConfig]),
                    **parts[cls])
 
 

@@ -9,6 +9,7 @@ from nybble.config import (
     DEFAULT_MODEL,
     DISTRIBUTED_EXECUTOR_BACKENDS,
     KV_CACHE_DTYPES,
+    MAX_LORA_RANKS,
     EngineConfig,
 )
 from nybble.threads import add_threads_arg
@@ -138,6 +139,19 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
                         help="how the ranks 1..N-1 run: mp (worker processes on this "
                              "machine) or ray (Ray actors; RAY_ADDRESS names a cluster, else "
                              "a local one is started)")
+    parser.add_argument("--enable-lora", action="store_true",
+                        help="serve LoRA adapters (PEFT folders) on the base model's q/k/v/o "
+                             "and gate/up/down projections; requests of different adapters "
+                             "and of the base run in one batch (docs/lora.md)")
+    parser.add_argument("--max-loras", type=int, default=1,
+                        help="with --enable-lora: the most distinct adapters in one step (device "
+                             "slots); a request whose adapter finds every slot in use waits")
+    parser.add_argument("--max-lora-rank", type=int, default=16, choices=list(MAX_LORA_RANKS),
+                        help="with --enable-lora: the largest adapter rank served (an adapter "
+                             "of a higher rank is refused)")
+    parser.add_argument("--max-cpu-loras", type=int, default=None,
+                        help="with --enable-lora: adapters kept loaded in host memory (an LRU "
+                             "cache; default: --max-loras)")
     parser.add_argument("--disable-log-stats", action="store_true",
                         help="do not log the periodic stats line")
     add_threads_arg(parser)
@@ -168,4 +182,6 @@ def engine_config_from_args(args: argparse.Namespace,
         tensor_parallel_size=args.tensor_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,
         cuda_graph_sizes=None if args.cuda_graph_sizes is None else
-        tuple(args.cuda_graph_sizes))
+        tuple(args.cuda_graph_sizes),
+        enable_lora=args.enable_lora, max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras)

@@ -83,3 +83,9 @@ class EngineOverloadedError(NybbleError):
     def __init__(self, message: str, retry_after_s: int = 1) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+class LoRAAdapterError(InvalidRequestError):
+    """A LoRA adapter folder this engine cannot serve (HTTP 400): not a PEFT LoRA folder, a
+    kind of adapter nybble does not run (DoRA, embeddings, ``modules_to_save``...), or weights
+    of another base model. The message says what was wrong and what is allowed."""

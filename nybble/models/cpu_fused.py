@@ -31,6 +31,10 @@ not (decode batches, short prefill chunks, speculative verification of k + 1 pos
 sequence), by the same row-per-token rule; steps of more tokens keep the torch path: its GEMMs
 (oneDNN/MKL) beat the fused step's register-tiled dot products there.
 ``enforce_eager`` turns it off (vLLM's flag for "run the model op by op").
+
+With multi-LoRA on (``model.lora``, :mod:`nybble.models.lora`) the C step gets the model's
+stacked adapter slots and each step's row-to-slot map, and adds every row's adapter update
+after each projection (``decoder.h``), so steps with adapter rows stay fused too.
 """
 from __future__ import annotations
 
@@ -41,6 +45,7 @@ from nybble.kernels.cpu.qgemm_pack import QPacked
 from nybble.kernels.cpu.weight_only import KERNEL_ROWS, CpuWeight
 from nybble.kernels.interface import AttentionMetadata
 from nybble.models.linear import DenseLinear
+from nybble.models.lora import LoRASlots
 from nybble.models.protocols import CausalLMParts
 
 MAX_FUSED_TOKENS = 32
@@ -110,8 +115,10 @@ class FusedCpuDecode:
 
     def __init__(self, decoder: CpuDecoder, hidden_size: int,
                  kv_caches: list[torch.Tensor], every_step: bool,
-                 max_tokens: int | None = None, defer_from: int | None = None) -> None:
+                 max_tokens: int | None = None, defer_from: int | None = None,
+                 lora: LoRASlots | None = None) -> None:
         self.decoder = decoder
+        self.lora = lora               # the LoRA slots the C step was given, or None
         self.hidden_size = hidden_size
         self.cache_ptrs = tuple(c.data_ptr() for c in kv_caches)
         self.every_step = every_step
@@ -168,12 +175,14 @@ class FusedCpuDecode:
         eps |= {layer.post_attention_layernorm.eps for layer in model.layers}
         if len(eps) != 1 or model.norm.eps not in eps:
             return None, "the norms' epsilons differ"
+        lora = getattr(model, "lora", None)
         decoder = CpuDecoder(embed, _array(norm), _array(model.rotary_emb.cos_sin), layers,
-                             attn0.num_heads, attn0.num_kv_heads, eps.pop(), attn0.scale)
+                             attn0.num_heads, attn0.num_kv_heads, eps.pop(), attn0.scale,
+                             None if lora is None else _lora_arrays(lora))
         if weight_only:
             defer = _prefill_rows(model) if integer else None
             return (cls(decoder, model.config.hidden_size, kv_caches, False, KERNEL_ROWS,
-                        defer_from=defer),
+                        defer_from=defer, lora=lora),
                     f"fused C step (steps of up to {KERNEL_ROWS} tokens: weight-only "
                     f"{'and integer-dot ' if integer else ''}quantized projections"
                     + ("" if defer is None else
@@ -184,15 +193,15 @@ class FusedCpuDecode:
             defer = _prefill_rows(model)
             if defer is not None:
                 return (cls(decoder, model.config.hidden_size, kv_caches, True,
-                            defer_from=defer),
+                            defer_from=defer, lora=lora),
                         f"fused C step (steps of fewer than {defer} tokens: {kind}-dot "
                         f"quantized projections; longer ones take the "
                         f"{_prefill_dtype(model)} prefill GEMM)")
-            return (cls(decoder, model.config.hidden_size, kv_caches, True),
+            return (cls(decoder, model.config.hidden_size, kv_caches, True, lora=lora),
                     f"fused C step (every step: {kind}-dot quantized projections)")
         linear_bytes = sum(a.nbytes for ly in layers for a in ly[1:10] if a is not None)
         every_step = linear_bytes <= SMALL_MODEL_BYTES
-        return (cls(decoder, model.config.hidden_size, kv_caches, every_step),
+        return (cls(decoder, model.config.hidden_size, kv_caches, every_step, lora=lora),
                 "fused C step (every step: a small model)" if every_step else
                 f"fused C step (steps of up to {MAX_FUSED_TOKENS} tokens)")
 
@@ -224,9 +233,11 @@ class FusedCpuDecode:
             tables = tables[rows]
             seq_lens = positions.numpy() + 1
         out = torch.empty(tokens, self.hidden_size, dtype=torch.float32)
+        rows = None if self.lora is None else self.lora.rows
         self.decoder.forward(_int64(input_ids), _int64(positions), _int64(meta.slot_mapping),
                              np.ascontiguousarray(tables, dtype=np.int32),
-                             np.ascontiguousarray(seq_lens, dtype=np.int32), out.numpy())
+                             np.ascontiguousarray(seq_lens, dtype=np.int32), out.numpy(),
+                             lora_slots=None if rows is None else _int64(rows.token_slots))
         return out
 
 
@@ -256,6 +267,18 @@ def _unfused_feature(model: LlamaForCausalLM) -> str | None:
               ("several RoPE tables", len(model.rotary_embs) > 1),
               ("partial rotary dimensions", model.rotary_emb.partial))
     return next((what for what, needed in checks if needed), None)
+
+
+def _lora_arrays(lora: LoRASlots) -> list[list[tuple[np.ndarray, np.ndarray]]]:
+    """Per layer, the ``(a [S, R, in], B^T [S, R, out])`` numpy views of the qkv, o,
+    gate/up and down slots (``lora_b`` is the transposed view of a contiguous ``[S, R, out]``
+    tensor, so ``B^T`` is that tensor, shared: later slot writes are seen)."""
+    def pair(a: torch.Tensor, b: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        bt = b.transpose(1, 2)
+        assert a.is_contiguous() and bt.is_contiguous() and a.dtype == torch.float32
+        return a.numpy(), bt.numpy()
+    return [[pair(*stack[field]) for field in ("qkv", "o_proj", "gate_up", "down")]
+            for stack in lora.stacks]
 
 
 def _int64(t: torch.Tensor) -> np.ndarray:

@@ -38,6 +38,8 @@ from nybble.models.layer_ops import (
 from nybble.models.layers import GATED_ACTIVATIONS, GemmaRMSNorm, RMSNorm, RotaryEmbedding
 from nybble.models.linear import LinearFactory, as_function, build_linear
 from nybble.models.moe import MoEBlock
+from nybble.models.lora import LoRASlots
+from nybble.lora_files import BaseTargets
 from nybble.models.shape import ModelShape
 from nybble.models.tp_layout import TPLayout
 
@@ -229,6 +231,39 @@ class LlamaForCausalLM(nn.Module):
         self.segments: Segments = EAGER_SEGMENTS
         self._ops: ModelOps | None = None
         self.fused_decode: FusedCpuDecode | None = None
+        # the device slots of multi-LoRA serving (enable_lora), or None
+        self.lora: LoRASlots | None = None
+
+    def lora_targets(self) -> BaseTargets:
+        """The projections a LoRA adapter may adapt on this model, with their shapes."""
+        s = self.shape
+        return BaseTargets.of(s.num_layers, s.hidden_size, s.num_heads, s.num_kv_heads,
+                              s.head_dim, int(self.config.intermediate_size))
+
+    def enable_lora(self, max_loras: int, max_rank: int) -> LoRASlots:
+        """Allocate ``max_loras`` adapter slots of rank up to ``max_rank`` and make every
+        q/k/v/o and gate/up/down projection add the step's LoRA updates
+        (:class:`~nybble.models.lora.LoRASlots`; call after the weights are loaded).
+
+        Raises:
+            UnsupportedModelError: under tensor parallelism, for a fused-checkpoint
+                family (Phi-3: its adapters target ``qkv_proj`` / ``gate_up_proj``), or for a
+                mixture-of-experts model.
+        """
+        if self.layout.sharded:
+            raise UnsupportedModelError("LoRA adapters need tensor_parallel_size 1")
+        if self.spec.fused_checkpoint:
+            raise UnsupportedModelError("LoRA adapters are not supported on a fused-checkpoint "
+                                        "family (Phi-3)")
+        if self.spec.moe is not None:
+            raise UnsupportedModelError("LoRA adapters are not supported on mixture-of-experts "
+                                        "models (Qwen3-MoE, Mixtral); dense families only")
+        weight = self.norm.weight
+        self.lora = LoRASlots(self.lora_targets(), max_loras, max_rank, weight.dtype,
+                              weight.device)
+        self._ops = None
+        self.fused_decode = None     # NOTE: built again with the slots (enable_fused_cpu_decode)
+        return self.lora
 
     def ops(self) -> ModelOps:
         """The model as plain callables (:class:`ModelOps`), built on first use: after the
@@ -242,10 +277,10 @@ class LlamaForCausalLM(nn.Module):
             if self.quant_embed is not None and self.embed_scale is not None:
                 rows, scale = self.quant_embed.embed_rows, self.embed_scale
                 embed = lambda ids: rows(ids).mul_(scale)  # noqa: E731 (Gemma's sqrt(hidden))
-            self._ops = ModelOps(embed,
-                                 tuple(self.rotary_embs),
-                                 tuple(LayerOps.of(layer) for layer in self.layers),
-                                 as_function(self.norm))
+            layers = tuple(LayerOps.of(layer) for layer in self.layers)
+            if self.lora is not None:
+                layers = tuple(self.lora.wrap(i, ops) for i, ops in enumerate(layers))
+            self._ops = ModelOps(embed, tuple(self.rotary_embs), layers, as_function(self.norm))
         return self._ops
 
     def set_quantized_vocab(self, embed: nn.Module | None, head: nn.Module | None) -> None:
@@ -296,8 +331,10 @@ class LlamaForCausalLM(nn.Module):
         """``input_ids, positions: [T]`` (int32 or int64) -> final hidden states
         ``[T, hidden]``; writes the step's K/V into ``kv_caches`` (see
         :func:`nybble.models.layer_ops.run_step`; or the fused CPU step when it is on and takes
-        this step)."""
-        if self.fused_decode is not None:
+        this step; a step with LoRA rows only when the fused step was built with the model's
+        LoRA slots)."""
+        if self.fused_decode is not None and (self.lora is None or self.lora.rows is None or
+                                              self.fused_decode.lora is self.lora):
             hidden = self.fused_decode(input_ids, positions, kv_caches, meta)
             if hidden is not None:
                 return hidden

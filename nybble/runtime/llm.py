@@ -11,6 +11,7 @@ from nybble.config import EngineConfig
 from nybble.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, RequestOutput
 from nybble.runtime.llm_engine import LLMEngine
 from nybble.tokenizer.tokenizer import Tokenizer
+from nybble.lora_request import LoRARequest
 from nybble.sampling_params import BeamSearchParams, SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]
@@ -84,7 +85,9 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
         """Generate for every prompt with continuous batching; outputs keep the input order.
 
         Args:
@@ -92,6 +95,9 @@ class LLM:
             sampling_params: one for all prompts or one per prompt (default:
                 ``SamplingParams()``).
             use_tqdm: show a progress bar over finished requests.
+            lora_request: the LoRA adapter of every prompt, or one per prompt (``None``: the
+                base model); needs ``LLM(..., enable_lora=True)``. Prompts of different
+                adapters run in one batch.
 
         Raises:
             InvalidRequestError: a prompt or parameter is invalid (nothing is run then).
@@ -106,14 +112,21 @@ class LLM:
         if len(params) != len(items):
             raise ValueError(f"sampling_params must be one or {len(items)} items, got "
                              f"{len(params)}")
-        return self._run(items, params, use_tqdm)
+        loras = ([lora_request] * len(items) if lora_request is None or
+                 isinstance(lora_request, LoRARequest) else list(lora_request))
+        if len(loras) != len(items):
+            raise ValueError(f"lora_request must be one or {len(items)} items, got "
+                             f"{len(loras)}")
+        return self._run(items, params, use_tqdm, loras)
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, chat_template: str | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
              tools: list[dict[str, Any]] | None = None,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict[str, Any] | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+             ) -> list[RequestOutput]:
         """Generate the answer to a conversation, or to each of several (vLLM's
         ``LLM.chat``): rendered with the chat template exactly as the server renders a chat
         completion (:mod:`nybble.tokenizer.chat_messages`), so with the same sampling the
@@ -130,6 +143,8 @@ class LLM:
             tools: function specs for the template's ``tools`` variable
                 (``[{"type": "function", "function": {"name", "parameters", ...}}]``).
             chat_template_kwargs: extra template variables (e.g. ``enable_thinking``).
+            lora_request: the LoRA adapter of every conversation, or one per conversation
+                (as in :meth:`generate`).
 
         Returns:
             One :class:`RequestOutput` per conversation (the raw text: tool-call markup is
@@ -151,7 +166,7 @@ class LLM:
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message, chat_template=chat_template,
                 template_kwargs=chat_template_kwargs, tools=tools))
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:
@@ -185,17 +200,19 @@ class LLM:
                                                  tok) for c in o.outputs]) for o in outs]
 
     def _run(self, items: list[str | list[int]], params: list[SamplingParams],
-             use_tqdm: bool) -> list[RequestOutput]:
+             use_tqdm: bool, loras: list[LoRARequest | None] | None = None
+             ) -> list[RequestOutput]:
         """Add every request, step until they all finished; outputs keep the input order."""
         engine = self.llm_engine
         engine.check_open()
         ids: list[str] = []
         final: dict[str, RequestOutput] = {}
         try:
-            for prompt, p in zip(items, params):
+            for i, (prompt, p) in enumerate(zip(items, params)):
                 ids.append(str(self._counter))
                 self._counter += 1
-                engine.add_request(ids[-1], prompt, p)
+                engine.add_request(ids[-1], prompt, p,
+                                   lora_request=None if loras is None else loras[i])
             with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:
                 while engine.has_unfinished_requests():
                     for out in engine.step():

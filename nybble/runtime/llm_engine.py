@@ -32,6 +32,7 @@ from nybble.runtime.frontend.output_processor import OutputProcessor
 from nybble.runtime.frontend.request import Request
 from nybble.runtime.scheduler.scheduler import Scheduler
 from nybble.runtime.worker.torch_threads import apply_torch_threads
+from nybble.lora_request import LoRARequest
 from nybble.sampling_params import SamplingParams
 
 __all__ = ["EngineStats", "LLMEngine"]
@@ -92,11 +93,14 @@ class LLMEngine:
     # ----------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
                     arrival_time: float | None = None,
-                    names: ParamNames = DEFAULT_NAMES) -> None:
+                    names: ParamNames = DEFAULT_NAMES,
+                    lora_request: LoRARequest | None = None) -> None:
         """Queue a request (text prompt, or token ids used as they are).
 
         Args:
             names: the API's parameter names, for the ``param`` of a rejection.
+            lora_request: the LoRA adapter it runs under (``None``: the base model; the
+                engine needs ``enable_lora``).
 
         Raises:
             InvalidRequestError: duplicate id, or any check of the request gate
@@ -104,7 +108,8 @@ class LLMEngine:
             RuntimeError: the engine was shut down.
         """
         self.check_open()
-        request = self.input_processor.process(request_id, prompt, params, arrival_time, names)
+        request = self.input_processor.process(request_id, prompt, params, arrival_time, names,
+                                               lora_request)
         self.add_core_request(request, prompt if isinstance(prompt, str) else None)
 
     def add_core_request(self, request: EngineCoreRequest, prompt: str | None = None) -> None:
@@ -147,6 +152,12 @@ class LLMEngine:
             RuntimeError: the engine was shut down.
         """
         self.check_open()
+        failed = self.engine_core.take_failed_admissions()   # NOTE: by the previous step
+        if failed:
+            for rid, _, _ in failed:
+                self.output_processor.abort_request(rid)
+            raise EngineStepError([rid for rid, _, _ in failed],
+                                  f"LoRA admission failed: {failed[0][1]}")
         try:
             core_outputs = self.engine_core.step()
         except EngineStepError as e:

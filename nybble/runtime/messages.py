@@ -26,7 +26,24 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from nybble.lora_request import LoRARequest
 from nybble.sampling_params import SamplingParams
+
+
+class LoRALimits(msgspec.Struct, frozen=True):
+    """What LoRA adapters the engine serves (the API side checks an adapter folder against
+    it before loading: :func:`nybble.lora_files.read_adapter`).
+
+    Attributes:
+        max_loras: device slots; max_lora_rank: the largest rank.
+        num_layers: the base's decoder layers.
+        shapes: projection name -> ``[in_features, out_features]`` of the base.
+    """
+
+    max_loras: int
+    max_lora_rank: int
+    num_layers: int
+    shapes: dict[str, tuple[int, int]]
 
 
 class RequestLimits(msgspec.Struct, frozen=True):
@@ -39,6 +56,7 @@ class RequestLimits(msgspec.Struct, frozen=True):
         max_logprobs: largest ``logprobs`` a request may ask for.
         num_kv_blocks, block_size: the KV pool (blocks, tokens per block).
         speculative: speculative decoding is on (some parameters are refused with it).
+        lora: the LoRA adapters it can serve, ``None`` when LoRA is off.
     """
 
     max_model_len: int
@@ -48,6 +66,7 @@ class RequestLimits(msgspec.Struct, frozen=True):
     num_kv_blocks: int
     block_size: int
     speculative: bool = False
+    lora: LoRALimits | None = None
 
 
 @dataclass
@@ -101,7 +120,9 @@ class EngineStats:
     ``num_cached_tokens_total`` counts the tokens admitted sequences found in the cache (not
     computed) and ``prefix_cache_hit_rate`` is that over the tokens of the sequences admitted
     (0 when caching is off or nothing was admitted). ``spec_decode``: the speculative
-    decoding counters, ``None`` when it is off.
+    decoding counters, ``None`` when it is off. With LoRA on, ``lora_running`` /
+    ``lora_waiting`` count the requests per adapter name that hold a device slot / wait for
+    one, of ``max_loras`` slots (vLLM's ``lora_requests_info``).
     """
 
     num_running: int
@@ -118,6 +139,9 @@ class EngineStats:
     num_prefix_query_tokens_total: int = 0
     prefix_cache_hit_rate: float = 0.0
     spec_decode: SpecDecodeStats | None = None
+    lora_running: dict[str, int] = field(default_factory=dict)
+    lora_waiting: dict[str, int] = field(default_factory=dict)
+    max_loras: int = 0
 
 
 class EngineCoreRequest(msgspec.Struct, frozen=True):
@@ -137,6 +161,7 @@ class EngineCoreRequest(msgspec.Struct, frozen=True):
             runs the request for one token, so that its prompt is computed (prompt logprobs),
             and the output side drops that token. Set by the gate; nothing else reads a 0
             budget.
+        lora_request: the LoRA adapter it runs under, ``None`` for the base model.
     """
 
     request_id: str
@@ -146,6 +171,7 @@ class EngineCoreRequest(msgspec.Struct, frozen=True):
     arrival_time: float
     bad_words_token_ids: list[list[int]] = msgspec.field(default_factory=list)
     prompt_only: bool = False
+    lora_request: LoRARequest | None = None
 
     @property
     def max_tokens(self) -> int:

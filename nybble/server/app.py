@@ -16,7 +16,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from nybble.server import chat, completions, routes_misc
+from nybble.server import chat, completions, lora_routes, routes_misc
 from nybble.server.config import ServerConfig
 from nybble.server.errors import install_error_handlers
 from nybble.server.metrics import ServerMetrics
@@ -66,6 +66,8 @@ def build_app(config: ServerConfig, metrics: ServerMetrics) -> FastAPI:
     app.include_router(chat.router)
     app.include_router(routes_misc.v1_router)
     app.include_router(routes_misc.router)
+    if config.allow_runtime_lora_updating:   # NOTE: vLLM serves these routes only when asked
+        app.include_router(lora_routes.router)
     return app
 
 

@@ -72,8 +72,9 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request
     renderer = ChatRenderer(state, req, new_id("chatcmpl", request), top, plan)
     include_usage = req.stream_options is not None and req.stream_options.include_usage
     try:
+        lora = state.lora_request(req.model)
         return await serve(request, state, renderer, params, names, t0, req.stream,
-                           include_usage)  # type: ignore[return-value]
+                           include_usage, lora)  # type: ignore[return-value]
     except InvalidRequestError as e:   # NOTE: a tools grammar the core refused: name tools
         raise remap_grammar_error(plan, e) from None
 
@@ -98,6 +99,7 @@ class ChatRenderer:
     def __init__(self, state: ServerState, req: ChatCompletionRequest, request_id: str,
                  top: int | None, plan: ToolPlan) -> None:
         self.state, self.req, self.request_id, self.top = state, req, request_id, top
+        self.model_name = state.response_model(req.model)
         self.plan = plan
         self.logprobs = top is not None
         self.echo = echo_text(req)
@@ -113,7 +115,7 @@ class ChatRenderer:
         return
 
     def _chunk(self, choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
-        return sse(ChatCompletionChunk(id=self.request_id, model=self.state.model_name,
+        return sse(ChatCompletionChunk(id=self.request_id, model=self.model_name,
                                        choices=choices, usage=usage))
 
     def preamble(self) -> list[str]:
@@ -162,7 +164,7 @@ class ChatRenderer:
     def response(self, finals: list[RequestOutput]) -> Response:
         """The ``chat.completion`` object (choices built and serialized one at a time)."""
         final = finals[0]
-        head = ChatCompletionResponse(id=self.request_id, model=self.state.model_name,
+        head = ChatCompletionResponse(id=self.request_id, model=self.model_name,
                                       choices=[], usage=usage_of(finals))
         return json_response(head, (self._choice(final, o) for o in final.outputs))
 

@@ -5,7 +5,13 @@ import argparse
 from typing import Any
 
 from nybble.engine_args import parse_bytes, add_engine_args
-from nybble.server.config import API_KEY_ENV, DEFAULT_MAX_REQUEST_BODY_BYTES, ServerConfig
+from nybble.server.config import (
+    API_KEY_ENV,
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
+    RUNTIME_LORA_ENV,
+    ServerConfig,
+    parse_lora_module,
+)
 from nybble.server.reasoning import REASONING_PARSERS
 from nybble.server.tool_parsers import TOOL_PARSERS
 
@@ -86,6 +92,16 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     limits.add_argument("--api-threads", type=int, default=_DEFAULTS.api_threads,
                         help="worker threads of the API process for tokenization, chat "
                              "templates and logprob rendering (default: %(default)s)")
+    lora = parser.add_argument_group(
+        "LoRA adapters", "Adapters on the base model, picked by a request's `model` (with "
+                         "--enable-lora; docs/lora.md).")
+    lora.add_argument("--lora-modules", nargs="+", type=parse_lora_module, default=None,
+                      metavar="name=path|JSON",
+                      help='PEFT adapter folders to serve: name=path, or '
+                           '\'{"name": ..., "path": ..., "base_model_name": ...}\'')
+    lora.add_argument("--allow-runtime-lora-updating", action="store_true",
+                      help=f"serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
+                           f"(also with {RUNTIME_LORA_ENV}=1, as in vLLM)")
 
 
 def register(subparsers: Any) -> None:
@@ -110,4 +126,6 @@ def run(args: argparse.Namespace) -> int:
     server_config = ServerConfig.from_args(args)
     engine_config = engine_config_from_args(args, served_model_name=(
         server_config.served_model_names[0] if server_config.served_model_names else None))
+    if server_config.lora_modules and not engine_config.lora_config.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
     return run_server(engine_config, server_config)

@@ -82,7 +82,7 @@ async def create_completion(req: CompletionRequest,
     renderer = CompletionRenderer(state, req, new_id("cmpl", request))
     include_usage = req.stream_options is not None and req.stream_options.include_usage
     return await serve(request, state, renderer, params, DEFAULT_NAMES, t0, req.stream,
-                       include_usage)  # type: ignore[return-value]
+                       include_usage, state.lora_request(req.model))  # type: ignore[return-value]
 
 
 class CompletionRenderer:
@@ -91,6 +91,7 @@ class CompletionRenderer:
 
     def __init__(self, state: ServerState, req: CompletionRequest, request_id: str) -> None:
         self.state, self.req, self.request_id = state, req, request_id
+        self.model_name = state.response_model(req.model)
         self.logprobs = req.logprobs is not None
         self._prompts = prompt_list(req)
         self._echo: list[str] | None = None
@@ -116,7 +117,7 @@ class CompletionRenderer:
         return [len(t) for t in self.echo_texts()]
 
     def _chunk(self, choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
-        return sse(CompletionResponse(id=self.request_id, model=self.state.model_name,
+        return sse(CompletionResponse(id=self.request_id, model=self.model_name,
                                       choices=choices, usage=usage))
 
     def preamble(self) -> list[str]:
@@ -144,7 +145,7 @@ class CompletionRenderer:
 
     def response(self, finals: list[RequestOutput]) -> Response:
         """The ``text_completion`` object (choices built and serialized one at a time)."""
-        head = CompletionResponse(id=self.request_id, model=self.state.model_name, choices=[],
+        head = CompletionResponse(id=self.request_id, model=self.model_name, choices=[],
                                   usage=usage_of(finals))
         return json_response(head, (self._choice(i, out, o) for i, out in enumerate(finals)
                                     for o in out.outputs))

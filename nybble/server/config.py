@@ -2,11 +2,16 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from dataclasses import dataclass
 
 API_KEY_ENV = "NYBBLE_API_KEY"
 """Environment variable read when ``--api-key`` is not given."""
+
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+"""vLLM's environment variable that enables ``/v1/load_lora_adapter`` and
+``/v1/unload_lora_adapter`` (``1`` or ``true``), as ``--allow-runtime-lora-updating`` does."""
 
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
@@ -50,6 +55,11 @@ class ServerConfig:
         generation_config: ``auto``: the model folder's ``generation_config.json`` gives the
             defaults of sampling fields a request leaves out (vLLM's default); ``vllm``:
             OpenAI's defaults only; or a folder holding a ``generation_config.json``.
+        lora_modules: LoRA adapters served from the start, ``(name, path, base_model_name)``
+            (``--lora-modules``; needs ``--enable-lora``).
+        allow_runtime_lora_updating: serve ``/v1/load_lora_adapter`` and
+            ``/v1/unload_lora_adapter`` (``--allow-runtime-lora-updating`` or
+            ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``).
 
     Raises:
         ValueError: a value outside its range.
@@ -74,6 +84,8 @@ class ServerConfig:
     reasoning_parser: str | None = None
     chat_template: str | None = None
     generation_config: str = "auto"
+    lora_modules: tuple[tuple[str, str, str | None], ...] = ()
+    allow_runtime_lora_updating: bool = False
 
     def __post_init__(self) -> None:
         from nybble.server.reasoning import REASONING_PARSERS
@@ -128,7 +140,40 @@ class ServerConfig:
                    tool_call_parser=args.tool_call_parser,
                    reasoning_parser=args.reasoning_parser,
                    chat_template=load_chat_template(args.chat_template),
-                   generation_config=args.generation_config)
+                   generation_config=args.generation_config,
+                   lora_modules=tuple(args.lora_modules or ()),
+                   allow_runtime_lora_updating=args.allow_runtime_lora_updating or
+                   os.environ.get(RUNTIME_LORA_ENV, "").lower() in ("1", "true"))
+
+
+def parse_lora_module(text: str) -> tuple[str, str, str | None]:
+    """One ``--lora-modules`` value (vLLM's forms): ``name=path`` or the JSON object
+    ``{"name": ..., "path": ..., "base_model_name": ...}`` -> ``(name, path,
+    base_model_name)``.
+
+    Raises:
+        argparse.ArgumentTypeError: neither form.
+    """
+    text = text.strip()
+    if text.startswith("{"):
+        try:
+            value = json.loads(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"--lora-modules JSON is not valid: {e}") from None
+        name, path = value.get("name"), value.get("path")
+        base = value.get("base_model_name")
+        if not isinstance(name, str) or not name or not isinstance(path, str) or not path or \
+                not (base is None or isinstance(base, str)) or \
+                set(value) - {"name", "path", "base_model_name"}:
+            raise argparse.ArgumentTypeError(
+                f'--lora-modules JSON must be {{"name": str, "path": str, "base_model_name": '
+                f'str (optional)}}, got {text!r}')
+        return name, path, base
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"--lora-modules must be name=path or a JSON object "
+                                         f'{{"name": ..., "path": ...}}, got {text!r}')
+    return name, path, None
 
 
 def load_chat_template(value: str | None) -> str | None:

@@ -102,6 +102,7 @@ async def _serve(client: CoreClient, sock: socket.socket, engine_config: EngineC
     from nybble.server.app import attach_engine, build_app
     from nybble.server.connections import idle_timeout_protocol
     from nybble.server.generation_defaults import generation_defaults
+    from nybble.server.lora_registry import LoRARegistry
     from nybble.server.metrics import ServerMetrics
     from nybble.server.state import ServerState
 
@@ -146,6 +147,19 @@ async def _serve(client: CoreClient, sock: socket.socket, engine_config: EngineC
                          stats_interval_s=server_config.stats_interval_s,
                          max_num_waiting_requests=server_config.max_num_waiting_requests)
     gate = InputProcessor(tokenizer, ready.limits, ready.eos_token_ids)
+    lora = None
+    if ready.limits.lora is not None:
+        lora = LoRARegistry(ready.limits.lora, model_name, names)
+        try:
+            for name, path, base in server_config.lora_modules:  # NOTE: a bad folder: no server
+                lora.check(name, path, base)
+                lora.add(name, path, base)
+                logger.info("LoRA adapter %s from %s", name, path)
+        except ValueError as e:     # NOTE: stop as a failed handshake does
+            startup.failed(str(e))
+            server.should_exit = True
+            await serving
+            raise
     attach_engine(app, ServerState(
         engine=engine, input_processor=gate, config=server_config, model_name=model_name,
         model_aliases=names[1:],
@@ -153,7 +167,8 @@ async def _serve(client: CoreClient, sock: socket.socket, engine_config: EngineC
         max_model_len=ready.limits.max_model_len, metrics=metrics,
         executor=ThreadPoolExecutor(server_config.api_threads, thread_name_prefix="nybble-api"),
         max_token_chars=tokenizer.max_token_chars,
-        sampling_defaults=generation_defaults(server_config.generation_config, mc.model)))
+        sampling_defaults=generation_defaults(server_config.generation_config, mc.model),
+        lora=lora))
     await serving
 
 

@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from nybble.outputs import RequestOutput
 from nybble.runtime.frontend.async_engine import StepRecord
 from nybble.runtime.messages import SpecDecodeStats
+from nybble.server.lora_metrics import LoRAMetrics
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py)
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -80,6 +81,7 @@ class ServerMetrics:
             lab, registry=reg).labels(model_name)
         self._preemptions_seen = self._queries_seen = self._hits_seen = 0
         self._spec: _SpecDecodeMetrics | None = None
+        self._lora: LoRAMetrics | None = None
 
     def observe(self, record: StepRecord) -> None:
         """Update every metric from one engine step (called on the event loop, per step output
@@ -109,6 +111,10 @@ class ServerMetrics:
             self._preemptions_seen = stats.num_preemptions
             self._queries_seen = stats.num_prefix_query_tokens_total
             self._hits_seen = stats.num_cached_tokens_total
+            if stats.max_loras:
+                if self._lora is None:
+                    self._lora = LoRAMetrics(self.registry, self.model_name)
+                self._lora.update(stats)
             if stats.spec_decode is not None:
                 if self._spec is None:
                     self._spec = _SpecDecodeMetrics(self.registry, self.model_name)

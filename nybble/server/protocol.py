@@ -354,3 +354,20 @@ class DetokenizeRequest(RequestBody):
 
     model: str | None = None
     tokens: list[int]
+
+
+class LoadLoRAAdapterRequest(RequestBody):
+    """``POST /v1/load_lora_adapter`` (vLLM): serve the PEFT folder ``lora_path`` as
+    ``lora_name``."""
+
+    lora_name: str
+    lora_path: str
+    base_model_name: str | None = None
+
+
+class UnloadLoRAAdapterRequest(RequestBody):
+    """``POST /v1/unload_lora_adapter`` (vLLM): stop serving ``lora_name`` (``lora_int_id``
+    is accepted and ignored: names identify adapters here)."""
+
+    lora_name: str
+    lora_int_id: int | None = None

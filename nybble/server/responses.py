@@ -206,6 +206,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=_now)
     owned_by: str = "nybble"
     root: str | None = None
+    parent: str | None = None
     max_model_len: int | None = None
 
 

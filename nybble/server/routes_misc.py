@@ -3,6 +3,8 @@
 (the engine's counters, for tests and ops)."""
 from __future__ import annotations
 
+import os
+
 from fastapi import APIRouter, Depends, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -32,21 +34,27 @@ _BODY_ERRORS = error_responses(400, 401, 404, 413, 500, 503)
 @v1_router.get("/v1/models")
 async def list_models(request: Request) -> ModelList:
     """The served model, one card per served name (``root`` is the model folder's name,
-    never its path)."""
+    never its path), then one card per LoRA adapter (``root``: its folder's name, ``parent``:
+    the base model's id)."""
     state = get_state(request)
-    return ModelList(data=[_card(state, name) for name in state.model_names])
+    adapters = [] if state.lora is None else list(state.lora.adapters)
+    return ModelList(data=[_card(state, name) for name in (*state.model_names, *adapters)])
 
 
 @v1_router.get("/v1/models/{model:path}", responses=error_responses(404))
 async def retrieve_model(model: str, request: Request) -> ModelCard:
-    """One model by its id (OpenAI's ``models.retrieve``): the served model's card, or a 404
-    (``model_not_found``) for any other id."""
+    """One model by its id (OpenAI's ``models.retrieve``): the served model's or a LoRA
+    adapter's card, or a 404 (``model_not_found``) for any other id."""
     state = get_state(request)
     state.check_model(model)
     return _card(state, model)
 
 
 def _card(state: ServerState, name: str) -> ModelCard:
+    lora = state.lora_request(name)
+    if lora is not None:
+        return ModelCard(id=name, root=os.path.basename(os.path.normpath(lora.lora_path)),
+                         parent=lora.base_model_name, max_model_len=state.max_model_len)
     return ModelCard(id=name, root=state.model_path,
                      max_model_len=state.max_model_len)
 

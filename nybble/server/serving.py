@@ -28,6 +28,7 @@ from nybble.runtime.frontend.input_processor import ParamNames
 from nybble.tokenizer.chat_messages import template_messages
 from nybble.runtime.messages import EngineCoreRequest
 from nybble.sampling_params import SamplingParams
+from nybble.lora_request import LoRARequest
 from nybble.server.protocol import ChatMessage, ChatOptions, _SamplingFields
 from nybble.server.responses import UsageInfo
 from nybble.server.sampling_fields import guided_decoding, logit_bias
@@ -175,7 +176,8 @@ class Renderer(Protocol):
 
 
 def _gate(state: ServerState, renderer: Renderer, params: SamplingParams, names: ParamNames,
-          arrival_time: float) -> tuple[list[EngineCoreRequest], list[str | None]]:
+          arrival_time: float, lora_request: LoRARequest | None = None
+          ) -> tuple[list[EngineCoreRequest], list[str | None]]:
     """Prompts, their checks and the request gate (blocking: runs on a worker thread)."""
     prompts = renderer.prompts()
     cap = state.config.max_seqs_per_request
@@ -189,16 +191,18 @@ def _gate(state: ServerState, renderer: Renderer, params: SamplingParams, names:
         if isinstance(p, str):
             check_prompt_chars(state, p, names.prompt)
     gate = state.input_processor
-    requests = [gate.process(f"{renderer.request_id}-{i}", prompt, params, arrival_time, names)
-                for i, prompt in enumerate(prompts)]
+    requests = [gate.process(f"{renderer.request_id}-{i}", prompt, params, arrival_time, names,
+                             lora_request) for i, prompt in enumerate(prompts)]
     renderer.text_offsets()
     return requests, [p if isinstance(p, str) else None for p in prompts]
 
 
 async def serve(request: Request, state: ServerState, renderer: Renderer,
                 params: SamplingParams, names: ParamNames, arrival_time: float, stream: bool,
-                include_usage: bool) -> BaseModel | Response:
-    """Gate, submit and answer one API request (``n`` samples of every prompt).
+                include_usage: bool, lora_request: LoRARequest | None = None
+                ) -> BaseModel | Response:
+    """Gate, submit and answer one API request (``n`` samples of every prompt), under
+    ``lora_request``'s adapter when given.
 
     Tokenization, chat templates and logprob rendering run on the server's worker threads,
     so a large request never holds up the event loop (``/health`` and the other requests).
@@ -210,7 +214,7 @@ async def serve(request: Request, state: ServerState, renderer: Renderer,
         EngineOverloadedError: too many requests are waiting (503).
     """
     requests, texts = await run_blocking(state, _gate, state, renderer, params, names,
-                                         arrival_time)
+                                         arrival_time, lora_request)
     streams = state.engine.add_requests(requests, texts)
     if stream:
         return EngineStreamingResponse(state, streams,

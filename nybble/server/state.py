@@ -19,7 +19,9 @@ from fastapi import Request
 from nybble.errors import EngineDeadError, ModelNotFoundError
 
 if TYPE_CHECKING:
+    from nybble.lora_request import LoRARequest
     from nybble.runtime.frontend.async_engine import AsyncEngine
+    from nybble.server.lora_registry import LoRARegistry
     from nybble.runtime.frontend.input_processor import InputProcessor
     from nybble.tokenizer.tokenizer import Tokenizer
     from nybble.server.config import ServerConfig
@@ -53,6 +55,7 @@ class ServerState:
         sampling_defaults: defaults of sampling fields a request leaves out, from the
             model's ``generation_config.json`` (``--generation-config``; e.g.
             ``{"temperature": 0.6}``).
+        lora: the LoRA adapters served (``--enable-lora``), or ``None``.
     """
 
     engine: AsyncEngine
@@ -67,6 +70,7 @@ class ServerState:
     max_token_chars: int
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     model_aliases: tuple[str, ...] = ()
+    lora: LoRARegistry | None = None
 
     @property
     def max_prompt_chars(self) -> int:
@@ -80,10 +84,25 @@ class ServerState:
         Raises:
             ModelNotFoundError: another name (HTTP 404).
         """
-        if model is not None and model not in self.model_names:
+        if model is not None and model not in self.model_names and \
+                (self.lora is None or model not in self.lora.adapters):
             served = ", ".join(f"`{n}`" for n in self.model_names)
+            if self.lora is not None and self.lora.adapters:
+                served += "; LoRA adapters " + ", ".join(f"`{n}`" for n in self.lora.adapters)
             raise ModelNotFoundError(
                 f"The model `{model}` does not exist; this server serves {served}")
+
+    def lora_request(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter a request's ``model`` names, ``None`` for the base model."""
+        if self.lora is None or model is None:
+            return None
+        return self.lora.adapters.get(model)
+
+    def response_model(self, model: str | None) -> str:
+        """The ``model`` a response reports: the adapter's name for an adapter, else the
+        base's reported name."""
+        return model if self.lora_request(model) is not None and model is not None \
+            else self.model_name
 
     @property
     def model_names(self) -> tuple[str, ...]:

@@ -78,3 +78,11 @@ def test_experts_that_do_not_split_over_the_ranks_are_refused(tmp_path) -> None:
     with pytest.raises(UnsupportedModelError, match="moe_intermediate_size .* must split "
                        "evenly over tensor_parallel_size 4, got 34"):
         TPLayout.of(shape, 96, TPGroup(rank=0, world_size=4), 34)
+
+
+def test_lora_on_a_moe_model_is_refused(family) -> None:
+    path, _ = family
+    loaded = load_model(ModelConfig(model=path), TorchAttentionBackend(), torch.device("cpu"))
+    with pytest.raises(UnsupportedModelError, match="mixture-of-experts"):
+        loaded.model.enable_lora(2, 8)
+    assert loaded.model.lora is None

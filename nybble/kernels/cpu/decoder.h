@@ -23,6 +23,12 @@
  * [2, NB, BS, Hkv, D] C-contiguous; the RoPE table [P, 2, D] holds cos = [c, c] and
  * sin = [-s, s] per position, so rotated x[i] = x[i] cos[i] + x[(i + D/2) % D] sin[i].
  * An x86-64 AVX2+FMA copy of the code is chosen at run time when the CPU has it.
+ *
+ * Multi-LoRA (Hu et al. 2021; batched as in S-LoRA / Punica): each projection may carry the
+ * model's stacked adapter slots (nyb_lora: A [S, R, K] and B transposed [S, R, N], the
+ * adapter's scale folded into B; R zero-padded).  With a per-row slot array (-1: base), row t
+ * of slot s >= 0 then adds (x_t A_s^T) B_s^T to the projection's output: R dot products of
+ * length K, then R scaled rows of B added (zero rank rows skipped).
  */
 #ifndef NYB_CPU_DECODER_H
 #define NYB_CPU_DECODER_H
@@ -49,6 +55,13 @@ typedef struct {
     const nyb_wo_weight *wo[NYB_MAX_PARTS];  /* ... weight-only parts */
 } nyb_proj;
 
+/* A projection's LoRA slots: a [S, R, K], bt [S, R, N] (B^T, scale folded in); a == NULL:
+ * none. */
+typedef struct {
+    const float *a, *bt;
+    int64_t R;
+} nyb_lora;
+
 typedef struct {
     const float *in_norm, *post_norm;  /* [H] */
     nyb_proj qkv;                      /* [(Hq + 2 Hkv) D, H] */
@@ -56,6 +69,7 @@ typedef struct {
     nyb_proj gu;                       /* [2 FF, H] (gate rows first) */
     nyb_proj down;                     /* [H, FF] */
     float *kv_cache;                   /* [2, NB, BS, Hkv, D] */
+    nyb_lora lqkv, lo, lgu, ldown;     /* LoRA slots of the four projections */
 } nyb_layer;
 
 typedef struct {
@@ -67,6 +81,7 @@ typedef struct {
     const float *final_norm;  /* [H] */
     const float *cos_sin;     /* [P, 2, D] */
     const nyb_layer *layers;  /* [L] */
+    int64_t LS, LR;           /* LoRA: slots, and the largest R of a projection (0: none) */
 } nyb_decoder;
 
 #define NYB_INLINE static inline __attribute__((always_inline))
@@ -305,10 +320,37 @@ NYB_INLINE int nyb_apply(const nyb_proj *P, const float *x, int64_t T, int64_t K
     return 0;
 }
 
+/* y[t, :N] (row stride ldy) += (x[t, :K] . A_s^T) B_s^T for each row t whose slot s =
+ * lslots[t] >= 0; h: R floats of scratch. */
+NYB_INLINE void nyb_lora_add(const nyb_lora *L, const int64_t *lslots, const float *x,
+                             int64_t T, int64_t K, int64_t N, float *y, int64_t ldy,
+                             float *h) {
+    if (L->a == NULL || lslots == NULL) return;
+    const int64_t R = L->R;
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t s = lslots[t];
+        if (s < 0) continue;
+        const float *xt = x + t * K, *A = L->a + s * R * K, *Bt = L->bt + s * R * N;
+        float *yt = y + t * ldy;
+        for (int64_t r = 0; r < R; r++) {
+            const float *ar = A + r * K;
+            float acc = 0.0f;
+            for (int64_t k = 0; k < K; k++) acc += ar[k] * xt[k];
+            h[r] = acc;
+        }
+        for (int64_t r = 0; r < R; r++) {
+            const float hr = h[r];
+            if (hr == 0.0f) continue;   /* a zero-padded rank row */
+            const float *br = Bt + r * N;
+            for (int64_t n = 0; n < N; n++) yt[n] += hr * br[n];
+        }
+    }
+}
+
 NYB_INLINE int nyb_decode_body(const nyb_decoder *M, int64_t T, const int64_t *ids,
                                const int64_t *pos, const int64_t *slots,
                                const int32_t *tables, int64_t MB, const int32_t *seq_lens,
-                               float *out, float *buf, int portable) {
+                               const int64_t *lslots, float *out, float *buf, int portable) {
     const int64_t H = M->H, FF = M->FF, D = M->D, Hq = M->Hq, Hkv = M->Hkv;
     const int64_t QKV = (Hq + 2 * Hkv) * D, cache_half = M->NB * M->BS * Hkv * D;
     float *h = buf, *xn = h + T * H, *qkv = xn + T * H, *att = qkv + T * QKV;
@@ -316,6 +358,7 @@ NYB_INLINE int nyb_decode_body(const nyb_decoder *M, int64_t T, const int64_t *i
     float *work = wtmp + T * H;   /* wtmp: the residual projections' outputs (N = H) */
     int64_t longest = 1;
     for (int64_t t = 0; t < T; t++) longest = seq_lens[t] > longest ? seq_lens[t] : longest;
+    float *lh = work + Hq * longest;   /* LoRA: M->LR floats */
     for (int64_t t = 0; t < T; t++) {
         if (M->embed) memcpy(h + t * H, M->embed + ids[t] * H, sizeof(float) * (size_t)H);
         else if (M->embed_q) nyb_qg_row(M->embed_q, ids[t], h + t * H);
@@ -325,6 +368,7 @@ NYB_INLINE int nyb_decode_body(const nyb_decoder *M, int64_t T, const int64_t *i
         const nyb_layer *ly = M->layers + l;
         nyb_rms_norm(h, T, H, ly->in_norm, M->eps, xn);
         if (nyb_apply(&ly->qkv, xn, T, H, QKV, qkv, QKV, 0, portable, wtmp)) return -1;
+        nyb_lora_add(&ly->lqkv, lslots, xn, T, H, QKV, qkv, QKV, lh);
         for (int64_t t = 0; t < T; t++) {
             float *qt = qkv + t * QKV, *kt = qt + Hq * D, *vt = kt + Hkv * D;
             nyb_rope(qt, Hq + Hkv, D, M->cos_sin + pos[t] * 2 * D, tmp);  /* q and k */
@@ -343,14 +387,17 @@ NYB_INLINE int nyb_decode_body(const nyb_decoder *M, int64_t T, const int64_t *i
             if (atomic_load(&job.failed)) return -1;
         }
         if (nyb_apply(&ly->o, att, T, Hq * D, H, h, H, 1, portable, wtmp)) return -1;
+        nyb_lora_add(&ly->lo, lslots, att, T, Hq * D, H, h, H, lh);
         nyb_rms_norm(h, T, H, ly->post_norm, M->eps, xn);
         if (nyb_apply(&ly->gu, xn, T, H, 2 * FF, gu, 2 * FF, 0, portable, wtmp)) return -1;
+        nyb_lora_add(&ly->lgu, lslots, xn, T, H, 2 * FF, gu, 2 * FF, lh);
         for (int64_t t = 0; t < T; t++) {  /* SiLU(gate) * up */
             const float *g = gu + t * 2 * FF;
             float *a = act + t * FF;
             for (int64_t i = 0; i < FF; i++) a[i] = g[i] / (1.0f + nyb_expf(-g[i])) * g[FF + i];
         }
         if (nyb_apply(&ly->down, act, T, FF, H, h, H, 1, portable, wtmp)) return -1;
+        nyb_lora_add(&ly->ldown, lslots, act, T, FF, H, h, H, lh);
     }
     nyb_rms_norm(h, T, H, M->final_norm, M->eps, out);
     return 0;
@@ -360,8 +407,8 @@ NYB_INLINE int nyb_decode_body(const nyb_decoder *M, int64_t T, const int64_t *i
 static __attribute__((target("avx2,fma"))) int nyb_decode_avx2(
         const nyb_decoder *M, int64_t T, const int64_t *ids, const int64_t *pos,
         const int64_t *slots, const int32_t *tables, int64_t MB, const int32_t *seq_lens,
-        float *out, float *buf) {
-    return nyb_decode_body(M, T, ids, pos, slots, tables, MB, seq_lens, out, buf, 0);
+        const int64_t *lslots, float *out, float *buf) {
+    return nyb_decode_body(M, T, ids, pos, slots, tables, MB, seq_lens, lslots, out, buf, 0);
 }
 #endif
 
@@ -370,18 +417,21 @@ static int nyb_decoder_avx2(void) { return nyb_cpu_has_avx2_fma(); }
 static int nyb_decode_portable(const nyb_decoder *M, int64_t T, const int64_t *ids,
                                const int64_t *pos, const int64_t *slots,
                                const int32_t *tables, int64_t MB, const int32_t *seq_lens,
-                               float *out, float *buf) {
-    return nyb_decode_body(M, T, ids, pos, slots, tables, MB, seq_lens, out, buf, 1);
+                               const int64_t *lslots, float *out, float *buf) {
+    return nyb_decode_body(M, T, ids, pos, slots, tables, MB, seq_lens, lslots, out, buf, 1);
 }
 
-/* Check the step's indices, then run it.  Returns 0; -1 no memory (the KV cache may hold
- * some of the step's writes then); -2 an index out of range (a token id, position, slot,
- * sequence length or block id), with nothing written. */
+/* Check the step's indices, then run it; lslots: each row's LoRA slot (-1: base), or NULL
+ * (no row uses an adapter).  Returns 0; -1 no memory (the KV cache may hold some of the
+ * step's writes then); -2 an index out of range (a token id, position, slot, sequence
+ * length, block id or LoRA slot), with nothing written. */
 static int nyb_decode_forward(const nyb_decoder *M, int64_t T, const int64_t *ids,
                               const int64_t *pos, const int64_t *slots, const int32_t *tables,
-                              int64_t MB, const int32_t *seq_lens, float *out, int portable) {
+                              int64_t MB, const int32_t *seq_lens, const int64_t *lslots,
+                              float *out, int portable) {
     int64_t longest = 1;
     for (int64_t t = 0; t < T; t++) {
+        if (lslots && (lslots[t] < -1 || lslots[t] >= M->LS)) return -2;
         if (ids[t] < 0 || ids[t] >= M->V || pos[t] < 0 || pos[t] >= M->P
                 || slots[t] < -1 || slots[t] >= M->NB * M->BS
                 || seq_lens[t] < 1 || seq_lens[t] > MB * M->BS) return -2;
@@ -391,16 +441,16 @@ static int nyb_decode_forward(const nyb_decoder *M, int64_t T, const int64_t *id
     }
     const int64_t QKV = (M->Hq + 2 * M->Hkv) * M->D;
     const size_t floats = (size_t)(T * (3 * M->H + QKV + M->Hq * M->D + 3 * M->FF) + M->D
-                                   + M->Hq * longest);
+                                   + M->Hq * longest + M->LR);
     float *buf = (float *)malloc(sizeof(float) * floats);
     if (buf == NULL) return -1;
     int rc;
 #ifdef NYB_X86_AVX2
     if (!portable && nyb_decoder_avx2())
-        rc = nyb_decode_avx2(M, T, ids, pos, slots, tables, MB, seq_lens, out, buf);
+        rc = nyb_decode_avx2(M, T, ids, pos, slots, tables, MB, seq_lens, lslots, out, buf);
     else
 #endif
-        rc = nyb_decode_portable(M, T, ids, pos, slots, tables, MB, seq_lens, out, buf);
+        rc = nyb_decode_portable(M, T, ids, pos, slots, tables, MB, seq_lens, lslots, out, buf);
     free(buf);
     return rc;
 }

@@ -29,6 +29,10 @@ cdef extern from "decoder.h" nogil:
         int nparts
         const nyb_qw *parts[NYB_MAX_PARTS]
         const nyb_wo_weight *wo[NYB_MAX_PARTS]
+    ctypedef struct nyb_lora:
+        const float *a
+        const float *bt
+        int64_t R
     ctypedef struct nyb_layer:
         const float *in_norm
         const float *post_norm
@@ -37,6 +41,10 @@ cdef extern from "decoder.h" nogil:
         nyb_proj gu
         nyb_proj down
         float *kv_cache
+        nyb_lora lqkv
+        nyb_lora lo
+        nyb_lora lgu
+        nyb_lora ldown
     ctypedef struct nyb_decoder:
         int64_t H, FF, Hq, Hkv, D, L, V, NB, BS, P
         float eps, scale
@@ -46,9 +54,11 @@ cdef extern from "decoder.h" nogil:
         const float *final_norm
         const float *cos_sin
         const nyb_layer *layers
+        int64_t LS, LR
     int nyb_decode_forward(const nyb_decoder *M, int64_t T, const int64_t *ids,
                            const int64_t *pos, const int64_t *slots, const int32_t *tables,
-                           int64_t MB, const int32_t *seq_lens, float *out, int portable)
+                           int64_t MB, const int32_t *seq_lens, const int64_t *lslots,
+                           float *out, int portable)
     int nyb_decoder_avx2()
 
 LAYER_FIELDS = ("in_norm", "qkv_w", "qkv_b", "o_w", "o_b", "post_norm", "gu_w", "gu_b",
@@ -103,6 +113,10 @@ cdef class CpuDecoder:
             inputs whose outputs, concatenated, are the projection's.
         num_heads, num_kv_heads: ``Hq``, ``Hkv`` (``Hq % Hkv == 0``). eps: RMSNorm epsilon.
         scale: the attention's softmax scale.
+        lora: multi-LoRA slots, or None: per layer, for qkv, o, gate/up and down in that order,
+            ``(a [S, R, in], bt [S, R, out])`` float32 C-contiguous (``bt``: the slots' ``B``
+            transposed, each adapter's scale folded in; ``R`` may differ per projection, ``S``
+            may not); :meth:`forward`'s ``lora_slots`` then picks each row's slot.
 
     Raises:
         ValueError: an array of the wrong dtype, shape or layout, packed parts that do not
@@ -156,8 +170,23 @@ cdef class CpuDecoder:
         P.nparts = len(parts)
         return 0
 
+    cdef int _lora(self, nyb_lora *L, object pair, int64_t k, int64_t n, str name) except -1:
+        """Point ``L`` at a projection's LoRA slots ``(a [S, R, k], bt [S, R, n])``."""
+        a, bt = pair
+        if not isinstance(a, np.ndarray) or a.ndim != 3:
+            raise ValueError(f"{name} LoRA a must be a [S, R, {k}] float32 array")
+        s, r = a.shape[0], a.shape[1]
+        if self.model.LS and s != self.model.LS:
+            raise ValueError(f"{name} LoRA has {s} slots, another projection {self.model.LS}")
+        L.a = _ptr(a, (s, r, k), f"{name} LoRA a")
+        L.bt = _ptr(bt, (s, r, n), f"{name} LoRA bt")
+        L.R = r
+        self.model.LS = s
+        self.model.LR = max(self.model.LR, r)
+        return 0
+
     def __init__(self, embed, final_norm, cos_sin, list layers, int num_heads,
-                 int num_kv_heads, float eps, float scale):
+                 int num_kv_heads, float eps, float scale, list lora=None):
         if num_kv_heads < 1 or num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads "
                              f"({num_kv_heads})")
@@ -172,6 +201,10 @@ cdef class CpuDecoder:
         m.H, m.FF, m.Hq, m.Hkv, m.D, m.L = h, inter, num_heads, num_kv_heads, d, len(layers)
         m.V, m.NB, m.BS, m.P = v, cache.shape[1], cache.shape[2], p
         m.eps, m.scale = eps, scale
+        m.LS, m.LR = 0, 0
+        if lora is not None and len(lora) != len(layers):
+            raise ValueError(f"lora must give one entry per layer ({len(layers)}), got "
+                             f"{len(lora)}")
         # every packed weight's nyb_qw: the embedding's and up to 4 per projection
         cdef size_t most = 1 + 4 * NYB_MAX_PARTS * len(layers)
         self.packed = <nyb_qw *> malloc(sizeof(nyb_qw) * most)
@@ -191,7 +224,7 @@ cdef class CpuDecoder:
             self.npacked = 1
         m.final_norm = _ptr(final_norm, (h,), "final_norm")
         m.cos_sin = _ptr(cos_sin, (p, 2, d), "cos_sin")
-        self.keep = [embed, final_norm, cos_sin, layers]
+        self.keep = [embed, final_norm, cos_sin, layers, lora]
         self.layers = <nyb_layer *> malloc(sizeof(nyb_layer) * len(layers))
         if self.layers == NULL:
             raise MemoryError("no memory for the decoder's layer table")
@@ -213,6 +246,13 @@ cdef class CpuDecoder:
             self._proj(&ly.down, a["down_w"], a["down_b"], h, inter, f"layer {i} down_w")
             ly.kv_cache = <float *> _ptr(a["kv_cache"], (2, m.NB, m.BS, num_kv_heads, d),
                                          f"layer {i} kv_cache")
+            ly.lqkv.a = ly.lo.a = ly.lgu.a = ly.ldown.a = NULL
+            if lora is not None:
+                pairs = lora[i]
+                self._lora(&ly.lqkv, pairs[0], h, qkv, f"layer {i} qkv")
+                self._lora(&ly.lo, pairs[1], num_heads * d, h, f"layer {i} o")
+                self._lora(&ly.lgu, pairs[2], h, 2 * inter, f"layer {i} gate_up")
+                self._lora(&ly.ldown, pairs[3], inter, h, f"layer {i} down")
         m.layers = self.layers
 
     def __dealloc__(self):
@@ -222,7 +262,8 @@ cdef class CpuDecoder:
 
     def forward(self, const int64_t[::1] input_ids, const int64_t[::1] positions,
                 const int64_t[::1] slot_mapping, const int32_t[:, ::1] block_tables,
-                const int32_t[::1] seq_lens, float[:, ::1] out, bint portable=False):
+                const int32_t[::1] seq_lens, float[:, ::1] out, bint portable=False,
+                lora_slots=None):
         """One decode step: ``T`` sequences, one new token each; writes their K/V into the
         caches and ``out [T, H]`` (the final hidden states, after the last norm).
 
@@ -231,6 +272,8 @@ cdef class CpuDecoder:
             block_tables: ``[T, MB]`` int32. seq_lens: ``[T]`` int32 cached tokens after
                 this step. out: ``[T, H]`` float32. portable: the portable C even where
                 AVX2 exists (tests).
+            lora_slots: ``[T]`` int64 LoRA slot of each row (``-1``: base), or None (no row
+                uses an adapter); needs a decoder built with ``lora``.
 
         Raises:
             ValueError: arrays of different lengths, or an index out of range (token id,
@@ -244,16 +287,26 @@ cdef class CpuDecoder:
                 or out.shape[0] != t or out.shape[1] != self.model.H:
             raise ValueError(f"a step of {t} tokens needs positions, slot_mapping, seq_lens "
                              f"[{t}], block_tables [{t}, MB] and out [{t}, {self.model.H}]")
+        cdef const int64_t[::1] lslots
+        cdef const int64_t *lptr = NULL
+        if lora_slots is not None:
+            if self.model.LS == 0:
+                raise ValueError("lora_slots needs a decoder built with lora")
+            lslots = lora_slots
+            if lslots.shape[0] != t:
+                raise ValueError(f"lora_slots must be [{t}], got [{lslots.shape[0]}]")
+            lptr = &lslots[0]
         cdef int rc
         with nogil:
             rc = nyb_decode_forward(&self.model, t, &input_ids[0], &positions[0],
                                     &slot_mapping[0], &block_tables[0, 0],
-                                    block_tables.shape[1], &seq_lens[0], &out[0, 0], portable)
+                                    block_tables.shape[1], &seq_lens[0], lptr, &out[0, 0],
+                                    portable)
         if rc == -2:
             raise ValueError(f"an index is out of range: token ids must be in [0, "
                              f"{self.model.V}), positions in [0, {self.model.P}), slots in "
                              f"[-1, {self.model.NB * self.model.BS}), seq_lens in [1, "
                              f"{block_tables.shape[1] * self.model.BS}], block ids in [0, "
-                             f"{self.model.NB})")
+                             f"{self.model.NB}), LoRA slots in [-1, {self.model.LS})")
         if rc != 0:
             raise MemoryError("cpu_decoder: no memory for the step's scratch space")

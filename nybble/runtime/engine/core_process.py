@@ -195,6 +195,8 @@ class CoreProc:
             logger.exception("the engine core's bookkeeping failed")
             return self._give_up(f"the engine core's bookkeeping failed: {_one_line(e)}")
         self._failures = 0
+        for rid, message, param in self.core.take_failed_admissions():
+            self.send(RequestsFailed([rid], message, param=param))
         if outputs is not None:
             outputs.stats = self.core.get_stats()
             self.send(outputs)

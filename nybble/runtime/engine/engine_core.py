@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from nybble.config import EngineConfig, ModelConfig
 from nybble.model_files import check_model_dir
-from nybble.errors import EngineStepError, WorkerFailedError
+from nybble.errors import EngineStepError, InvalidRequestError, WorkerFailedError
 from nybble.kernels import get_attention_backend
 from nybble.models.loader import LoadedModel, load_model
 from nybble.quant.report import summarize_report
@@ -31,10 +31,13 @@ from nybble.runtime.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineStats,
+    LoRALimits,
     PromptLogprobs,
     RequestLimits,
     SpecDecodeStats,
 )
+from nybble.runtime.engine.lora_admission import LoRAAdmission
+from nybble.runtime.worker.lora_manager import LoRAManager
 from nybble.runtime.worker.model_runner import ModelRunner
 from nybble.runtime.scheduler.scheduler import Scheduler
 from nybble.runtime.scheduler.sequence import FinishReason
@@ -118,7 +121,14 @@ class EngineCore:
         proposer = None
         if spec is not None and spec.model is not None:
             proposer = DraftProposer(self._load_draft(backend), self.kv_spec, self.device)
-        self.runner = ModelRunner(self.loaded, self.kv_spec, self.device, config, proposer)
+        lora = None
+        if config.lora_config.enable_lora:
+            lora = LoRAManager(self.loaded.model, config.lora_config)
+        self.runner = ModelRunner(self.loaded, self.kv_spec, self.device, config, proposer, lora)
+        self.lora = None if lora is None else LoRAAdmission(lora, self._admit_lora)
+        self._matchers: dict[str, list] = {}    # LoRA requests' grammars until admitted
+        # (request id, message, param) of LoRA requests whose admission failed after waiting
+        self.failed_admissions: list[tuple[str, str, str | None]] = []
         if self.executor is not None:
             self.executor.setup(self.kv_spec.num_blocks)
             self.runner.step_hook = self.executor.send_step
@@ -217,7 +227,10 @@ class EngineCore:
             max_num_seqs=self.config.scheduler_config.max_num_seqs,
             max_logprobs=self.config.model_config.max_logprobs,
             num_kv_blocks=self.kv_spec.num_blocks, block_size=self.kv_spec.block_size,
-            speculative=self.config.speculative_config is not None)
+            speculative=self.config.speculative_config is not None,
+            lora=None if self.lora is None else LoRALimits(
+                self.config.lora_config.max_loras, self.config.lora_config.max_lora_rank,
+                self.lora.manager.targets.num_layers, self.lora.manager.targets.shapes))
 
     def _take_seq_ids(self, count: int) -> int:
         """Reserve ``count`` consecutive fresh sequence ids; returns the first."""
@@ -233,23 +246,57 @@ class EngineCore:
         happens before any state changes; the two stateful parts (sampling rows, then the
         scheduler) are undone if the second one raises.
 
+        A request with a LoRA adapter enters the scheduler once its adapter holds a device
+        slot (:mod:`~nybble.runtime.engine.lora_admission`); until then it waits here.
+
         Raises:
             ValueError: the id is already in the core, or a value the gate should have
                 refused (a bug upstream); nothing is queued then.
             InvalidRequestError: the grammar engine cannot compile the request's
-                structured-output constraint.
+                structured-output constraint; a LoRA request without ``enable_lora`` or
+                with beam search.
+            LoRAAdapterError: the request's adapter cannot be served on this base.
         """
         rid, n = request.request_id, request.params.num_sequences
-        if rid in self._requests or rid in self.beams.requests:
+        if rid in self._requests or rid in self.beams.requests or \
+                (self.lora is not None and rid in self.lora.waiting):
             raise ValueError(f"request_id must be new to the engine core, got {rid!r} twice")
+        if request.lora_request is not None and self.lora is None:
+            raise InvalidRequestError("a LoRA adapter needs an engine started with "
+                                      "enable_lora (--enable-lora)", param="model")
         if request.params.use_beam_search:
+            if request.lora_request is not None:
+                raise InvalidRequestError("beam search with a LoRA adapter is not supported",
+                                          param="use_beam_search")
             self._unscheduled[self.beams.add(request)] = rid
             return
-        prompt = np.asarray(request.prompt_token_ids, dtype=np.int32)
-        stops = np.asarray(request.stop_token_ids, dtype=np.int32)
         guided = request.params.guided_decoding
         matchers = None if guided is None else \
             self.grammars.matchers(self.grammars.compile(guided), n)
+        if request.lora_request is None or self.lora is None:
+            self._add_sequences(request, matchers)
+            return
+        self._matchers[rid] = matchers
+        try:
+            self.lora.add(request)
+        except BaseException:
+            self._matchers.pop(rid, None)
+            raise
+
+    def _admit_lora(self, request: EngineCoreRequest, slot: int) -> None:
+        """Put a LoRA request whose adapter holds ``slot`` into the scheduler."""
+        assert request.lora_request is not None and self.lora is not None
+        matchers = self._matchers.pop(request.request_id, None)
+        first = self._add_sequences(request, matchers, request.lora_request.cache_salt)
+        self.lora.manager.assign(first, request.params.num_sequences, slot)
+
+    def _add_sequences(self, request: EngineCoreRequest, matchers: list | None,
+                       cache_salt: int = 0) -> int:
+        """Add the request's sequences to the runner and the scheduler (all or nothing);
+        returns the first sequence id."""
+        rid, n = request.request_id, request.params.num_sequences
+        prompt = np.asarray(request.prompt_token_ids, dtype=np.int32)
+        stops = np.asarray(request.stop_token_ids, dtype=np.int32)
         seq_id = self._next_seq_id
         try:
             self.runner.add_request(seq_id, request, matchers)
@@ -257,7 +304,8 @@ class EngineCore:
             # drops; every prompt position must be computed for prompt logprobs
             budget = 1 if request.prompt_only else request.max_tokens
             self.scheduler.add(seq_id, prompt, budget, stops, n,
-                               skip_prefix_cache=request.params.prompt_logprobs is not None)
+                               skip_prefix_cache=request.params.prompt_logprobs is not None,
+                               cache_salt=cache_salt)
         except BaseException:
             self.runner.remove_sequences(range(seq_id, seq_id + n))
             raise
@@ -266,6 +314,7 @@ class EngineCore:
         self._unscheduled[seq_id] = rid
         for i in range(n):
             self._seqs[seq_id + i] = (rid, i)
+        return seq_id
 
     def seq_ids(self, request_id: str) -> range:
         """The scheduler sequence ids of a request's samples (for tests and debugging)."""
@@ -279,9 +328,13 @@ class EngineCore:
             self.beams.abort(rid)
             self._last_finished += self.beams.freed
             self.beams.freed = []
+            if self.lora is not None:
+                self._matchers.pop(rid, None)
+                self.lora.finished(rid)
             record = self._requests.pop(rid, None)
             if record is None:
                 continue
+            self._forget_lora(record)
             self._unscheduled.pop(record.first_seq_id, None)
             live = [s for s in range(record.first_seq_id, record.first_seq_id + record.n)
                     if s in self._seqs]
@@ -309,7 +362,8 @@ class EngineCore:
 
     def request_ids(self) -> list[str]:
         """The requests in the core (waiting or running)."""
-        return list(self._requests) + list(self.beams.requests)
+        waiting = [] if self.lora is None else list(self.lora.waiting)
+        return list(self._requests) + list(self.beams.requests) + waiting
 
     def _finish_seq(self, seq_id: int) -> None:
         rid, _ = self._seqs.pop(seq_id)
@@ -319,10 +373,19 @@ class EngineCore:
         record.num_live -= 1
         if record.num_live == 0:
             del self._requests[rid]
+            if self.lora is not None:
+                self.lora.finished(rid)
+                self._forget_lora(record)
+
+    def _forget_lora(self, record: _CoreRequest) -> None:
+        """The request's sequences run under no adapter any more."""
+        if self.lora is not None:
+            self.lora.manager.forget(record.first_seq_id, record.n)
 
     def has_unfinished_requests(self) -> bool:
         """Whether any request is waiting or running."""
-        return bool(self._requests) or bool(self.beams.requests)
+        return bool(self._requests) or bool(self.beams.requests) or \
+            (self.lora is not None and bool(self.lora.waiting))
 
     # ----------------------------------------------------------------- the step
     def step(self) -> EngineCoreOutputs | None:
@@ -335,6 +398,8 @@ class EngineCore:
                 ``schedule()`` itself or from the rollback) means the core's bookkeeping can
                 no longer be trusted.
         """
+        if self.lora is not None and self.lora.waiting:
+            self._admit_waiting_lora()
         batch = self.scheduler.schedule()
         if batch.num_seqs == 0:
             return None
@@ -352,6 +417,22 @@ class EngineCore:
                 cause = WorkerFailedError(f"{'; '.join(self.executor.dead_workers())} "
                                           f"({type(e).__name__}: {e})")
             raise EngineStepError(failed, f"{type(cause).__name__}: {cause}") from cause
+
+    def _admit_waiting_lora(self) -> None:
+        """Admit the LoRA requests whose adapter can get a slot now; those whose admission
+        failed go to :attr:`failed_admissions` (the caller reports them)."""
+        assert self.lora is not None
+        for rid, error in self.lora.admit_waiting():
+            self._matchers.pop(rid, None)
+            logger.error("LoRA request %s failed on admission: %s", rid, error)
+            self.failed_admissions.append((rid, str(error), getattr(error, "param", None)))
+
+    def take_failed_admissions(self) -> list[tuple[str, str, str | None]]:
+        """``(request id, message, param)`` of the LoRA requests that waited for a slot and
+        then could not be admitted (their adapter could not be read again), since the last
+        call."""
+        failed, self.failed_admissions = self.failed_admissions, []
+        return failed
 
     def dead_workers(self) -> list[str]:
         """One line per tensor-parallel worker that is gone (empty: all alive, or none)."""
@@ -467,7 +548,9 @@ class EngineCore:
         """Current load; see :class:`EngineStats`."""
         s = self.scheduler
         used = s.num_blocks - s.num_free_blocks
-        return EngineStats(num_running=s.num_running, num_waiting=s.num_waiting,
+        # NOTE: LoRA requests waiting for a device slot wait too (not yet in the scheduler)
+        held = 0 if self.lora is None else len(self.lora.waiting)
+        return EngineStats(num_running=s.num_running, num_waiting=s.num_waiting + held,
                            num_free_blocks=s.num_free_blocks, num_blocks=s.num_blocks,
                            kv_cache_usage=used / s.num_blocks, num_preemptions=s.num_preemptions,
                            peak_num_seqs_in_step=self._peak_seqs, num_steps=self._num_steps,
@@ -476,4 +559,12 @@ class EngineCore:
                            num_prefix_query_tokens_total=s.num_prefix_query_tokens,
                            prefix_cache_hit_rate=s.num_prefix_hit_tokens
                            / max(s.num_prefix_query_tokens, 1),
-                           spec_decode=self.spec_stats.snapshot())
+                           spec_decode=self.spec_stats.snapshot(),
+                           **self._lora_stats())
+
+    def _lora_stats(self) -> dict:
+        if self.lora is None:
+            return {}
+        running, waiting = self.lora.counts()
+        return {"lora_running": running, "lora_waiting": waiting,
+                "max_loras": self.config.lora_config.max_loras}

@@ -42,6 +42,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from nybble.errors import InvalidRequestError
+from nybble.lora_request import LoRARequest
 from nybble.runtime.messages import EngineCoreRequest, RequestLimits
 from nybble.runtime.frontend.shaping_checks import (
     bad_words_token_ids,
@@ -123,19 +124,28 @@ class InputProcessor:
 
     def process(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
                 arrival_time: float | None = None,
-                names: ParamNames = DEFAULT_NAMES) -> EngineCoreRequest:
+                names: ParamNames = DEFAULT_NAMES,
+                lora_request: LoRARequest | None = None) -> EngineCoreRequest:
         """Complete and check one request.
 
         Args:
             prompt: text (tokenized here, with the tokenizer's BOS), or token ids used as
                 they are.
             names: the API's parameter names, for the error's ``param``.
+            lora_request: the LoRA adapter it runs under (``None``: the base model).
 
         Raises:
             InvalidRequestError: a value outside its range, naming the parameter;
                 ``KVCacheExhaustedError`` (a subclass) when the request cannot fit the pool.
         """
         self.check_params(params, names)
+        if lora_request is not None:
+            if self.limits.lora is None:
+                raise InvalidRequestError("a LoRA adapter needs an engine started with "
+                                          "enable_lora (--enable-lora)", param="model")
+            if params.use_beam_search:
+                raise InvalidRequestError("beam search with a LoRA adapter is not supported",
+                                          param="use_beam_search")
         if isinstance(prompt, str):
             if not prompt:
                 raise _fail(names.prompt, "non-empty", prompt)
@@ -165,7 +175,8 @@ class InputProcessor:
             request_id=request_id, prompt_token_ids=ids,
             params=dataclasses.replace(params, **changes), stop_token_ids=stop_ids,
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
-            bad_words_token_ids=bad_words, prompt_only=max_tokens == 0)
+            bad_words_token_ids=bad_words, prompt_only=max_tokens == 0,
+            lora_request=lora_request)
 
     def check_token_ids(self, ids: Sequence[int], param: str, allow_empty: bool = False) -> None:
         """Reject an empty list (unless ``allow_empty``) or ids outside the vocabulary.

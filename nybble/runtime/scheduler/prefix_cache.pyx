@@ -4,6 +4,8 @@
 vLLM V1's scheme (``--enable-prefix-caching``), in C arrays (no torch, no Python objects):
 
 * block ``k`` of a sequence has hash ``h_k = H(h_{k-1}, tokens[k*bs:(k+1)*bs])``, ``h_{-1} = 0``
+  (a LoRA adapter's requests chain from their own root ``h_{-1}``: ``Scheduler.add``'s
+  ``cache_salt``, so blocks are never shared across adapters)
   (:c:func:`hash_block`, 64-bit), so equal hashes mean equal prefixes, not just equal blocks;
 * only **full, computed** blocks are registered (``c_register``): an open-addressing table
   (linear probing, backward-shift deletion, load <= 1/2) maps ``h_k`` to the block id, and the
@@ -104,11 +106,12 @@ cdef class PrefixCache:
 
     cdef int32_t c_match(self, const int32_t* tokens, int32_t max_blocks, int32_t* out,
                          uint64_t* last_hash) noexcept nogil:
-        """Longest chain of cached blocks for ``tokens`` (at most ``max_blocks`` full blocks):
-        writes their ids to ``out[0:k]`` (no ref count change), the hash of block k-1 (0 when
-        k == 0) to ``last_hash[0]``, and returns k."""
+        """Longest chain of cached blocks for ``tokens`` (at most ``max_blocks`` full blocks),
+        chained from the root ``last_hash[0]`` (0, or a LoRA adapter's root): writes their ids
+        to ``out[0:k]`` (no ref count change), the hash of block k-1 (the root when k == 0) to
+        ``last_hash[0]``, and returns k."""
         cdef int32_t k = 0, b, bs = self._block_size
-        cdef uint64_t parent = 0, h
+        cdef uint64_t parent = last_hash[0], h
         while k < max_blocks:
             h = hash_block(parent, tokens + <int64_t> k * bs, bs)
             b = self.find(h, parent, tokens + <int64_t> k * bs)
@@ -199,15 +202,16 @@ cdef class PrefixCache:
 
     # ---- Python face (tests, debugging) ------------------------------------------------------
 
-    def match(self, token_ids):
-        """Block ids of the longest cached chain of full blocks of ``token_ids`` (int32[k]);
-        ref counts are not touched (the scheduler takes references on admission)."""
+    def match(self, token_ids, uint64_t root=0):
+        """Block ids of the longest cached chain of full blocks of ``token_ids`` (int32[k])
+        from the chain root ``root`` (0; a LoRA adapter's root); ref counts are not touched (the
+        scheduler takes references on admission)."""
         tv_arr = np.ascontiguousarray(token_ids, dtype=np.int32).reshape(-1)
         cdef const int32_t[::1] tv = tv_arr
         cdef int32_t max_blocks = tv.shape[0] // self._block_size
         out = np.full(max(max_blocks, 1), -1, np.int32)
         cdef int32_t[::1] ov = out
-        cdef uint64_t last
+        cdef uint64_t last = root
         cdef int32_t k = 0
         if max_blocks > 0:
             k = self.c_match(&tv[0], max_blocks, &ov[0], &last)

@@ -20,6 +20,13 @@ from collections.abc import Sequence
 import numpy as np
 
 
+def prefix_key(root: int, prefix: tuple[int, ...]) -> tuple[int, ...]:
+    """The name of the block that ends ``prefix`` under the chain root ``root``: the prefix
+    itself for the shared root 0, else the prefix behind a ``(-1, root)`` tag (token ids are
+    never negative), so two roots never name the same block."""
+    return prefix if root == 0 else (-1, root, *prefix)
+
+
 class ReferencePrefixCache:
     """Full blocks by token prefix, and the LRU of parked (ref count 0) cached blocks.
 
@@ -44,11 +51,12 @@ class ReferencePrefixCache:
         """Parked cached blocks (ref count 0; counted free)."""
         return len(self.parked)
 
-    def match(self, token_ids: Sequence[int]) -> np.ndarray:
-        """Block ids of the longest cached chain of full blocks of ``token_ids`` (int32[k])."""
+    def match(self, token_ids: Sequence[int], root: int = 0) -> np.ndarray:
+        """Block ids of the longest cached chain of full blocks of ``token_ids`` (int32[k])
+        under the chain root ``root`` (a LoRA adapter's; 0: the shared one)."""
         bs, tokens, out = self.block_size, tuple(int(t) for t in token_ids), []
         for end in range(bs, len(tokens) + 1, bs):
-            block = self.block_of.get(tokens[:end])
+            block = self.block_of.get(prefix_key(root, tokens[:end]))
             if block is None:
                 break
             out.append(block)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from nybble.runtime.scheduler.batch import ScheduledBatch
-from nybble.runtime.scheduler.reference_allocator import ReferenceBlockAllocator
+from nybble.runtime.scheduler.reference_allocator import ReferenceBlockAllocator, prefix_key
 from nybble.runtime.scheduler.scheduler_input import check_add, check_sizes
 from nybble.runtime.scheduler.sequence import FinishReason
 
@@ -45,6 +45,7 @@ class ReferenceSequence:
     num_hashed: int = 0            # leading full blocks already in the prefix cache
     blocks: list[int] = field(default_factory=list)
     skip_cache: bool = False       # never takes cached blocks (prompt logprobs)
+    cache_salt: int = 0            # the root of its prefix chain (a LoRA adapter's; 0: shared)
 
 
 class ReferenceScheduler:
@@ -104,13 +105,14 @@ class ReferenceScheduler:
     # ---- requests --------------------------------------------------------------------------
 
     def add(self, seq_id: int, token_ids, max_tokens: int, stop_token_ids=(),
-            num_samples: int = 1, skip_prefix_cache: bool = False) -> None:
+            num_samples: int = 1, skip_prefix_cache: bool = False,
+            cache_salt: int = 0) -> None:
         """Queue a request (FCFS); the checks and errors of ``Scheduler.add``."""
         prompt, stops, _ = check_add(self, seq_id, token_ids, max_tokens, stop_token_ids,
                                      num_samples)
         seq = ReferenceSequence(seq_id, prompt.tolist(), len(prompt), max_tokens,
                                 frozenset(stops.tolist()), num_samples,
-                                skip_cache=skip_prefix_cache)
+                                skip_cache=skip_prefix_cache, cache_salt=cache_salt)
         self.seqs[seq_id] = seq
         self.waiting.append(seq)
 
@@ -169,7 +171,8 @@ class ReferenceScheduler:
                 return
             hit = 0
             if self.prefix_cache is not None and not seq.skip_cache:
-                hits = self.prefix_cache.match(seq.tokens)[:(len(seq.tokens) - 1) // bs]
+                hits = self.prefix_cache.match(seq.tokens, seq.cache_salt)[
+                    :(len(seq.tokens) - 1) // bs]
                 for block in hits.tolist():
                     self.allocator.incref(block)
                     seq.blocks.append(block)
@@ -306,7 +309,7 @@ class ReferenceScheduler:
             seq_id, list(parent.tokens), parent.num_prompt_tokens,
             parent.max_tokens, parent.stop_token_ids, 1, "running",
             parent.num_computed + parent.num_scheduled, 0, parent.num_hashed, list(parent.blocks),
-            parent.skip_cache)
+            parent.skip_cache, parent.cache_salt)
         for block in child.blocks:
             self.allocator.incref(block)
         self.seqs[child.seq_id] = child
@@ -317,7 +320,8 @@ class ReferenceScheduler:
         bs = self.block_size
         while self.prefix_cache is not None and (seq.num_hashed + 1) * bs <= seq.num_computed:
             end = (seq.num_hashed + 1) * bs
-            self.prefix_cache.register(seq.blocks[seq.num_hashed], tuple(seq.tokens[:end]))
+            self.prefix_cache.register(seq.blocks[seq.num_hashed],
+                                       prefix_key(seq.cache_salt, tuple(seq.tokens[:end])))
             seq.num_hashed += 1
 
     def _release(self, seq: ReferenceSequence) -> None:

@@ -46,7 +46,7 @@ from :meth:`schedule` is passed to :meth:`update` (or, when its step failed, to
 :mod:`nybble.runtime.scheduler.reference_scheduler` is the same rule in plain Python (the tests'
 oracle).
 """
-from libc.stdint cimport int32_t, int64_t
+from libc.stdint cimport int32_t, int64_t, uint64_t
 
 import numpy as np
 
@@ -219,7 +219,7 @@ cdef class Scheduler:
     # ---- Python face -------------------------------------------------------------------------
 
     def add(self, int64_t seq_id, token_ids, int64_t max_tokens, stop_token_ids=(),
-            int num_samples=1, bint skip_prefix_cache=False) -> None:
+            int num_samples=1, bint skip_prefix_cache=False, uint64_t cache_salt=0) -> None:
         """Queue a request (FCFS) under ``seq_id`` (a group owns seq_id .. seq_id+num_samples-1).
 
         Args:
@@ -231,6 +231,9 @@ cdef class Scheduler:
             skip_prefix_cache: never take cached blocks for this sequence, so every prompt
                 position is computed (vLLM does so for requests asking for prompt logprobs);
                 its own full blocks still enter the cache.
+            cache_salt: the root of the sequence's prefix-hash chain (0: the shared one); the
+                engine gives each LoRA adapter its own, so KV computed under one adapter is
+                never reused by another or by the base model.
 
         Raises:
             ValueError: empty prompt, prompt > max_model_len, bad max_tokens / num_samples /
@@ -241,7 +244,7 @@ cdef class Scheduler:
         prompt, stops, total = check_add(self, seq_id, token_ids, max_tokens, stop_token_ids,
                                          num_samples)
         self._seqs.add(seq_id, prompt, stops, max_tokens, num_samples,
-                       max(total, prompt.shape[0] + 1), skip_prefix_cache)
+                       max(total, prompt.shape[0] + 1), skip_prefix_cache, cache_salt)
 
     def __contains__(self, int64_t seq_id) -> bool:
         """True when ``seq_id`` is waiting or running."""

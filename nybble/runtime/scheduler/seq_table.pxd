@@ -12,7 +12,7 @@ Public C surface for the Scheduler (every field with a leading underscore is pri
   advance, fork, append, finish; ``apply_spec_step`` for a speculative one), ``finish``,
   ``fork`` (beam search), ``free_blocks``.
 """
-from libc.stdint cimport int8_t, int32_t, int64_t
+from libc.stdint cimport int8_t, int32_t, int64_t, uint64_t
 
 from nybble.runtime.scheduler.batch_builder cimport BatchBuilder
 from nybble.runtime.scheduler.block_allocator cimport BlockAllocator
@@ -40,7 +40,7 @@ cdef class SequenceTable:
     # GIL held (may allocate / raise)
     cdef int32_t add(self, int64_t seq_id, const int32_t[::1] prompt, const int32_t[::1] stops,
                      int64_t max_tokens, int32_t num_samples, int64_t cap_tokens,
-                     bint skip_cache=*) except -1
+                     bint skip_cache=*, uint64_t hash_root=*) except -1
     cdef int32_t find(self, int64_t seq_id)
     cdef int apply_step(self, BatchBuilder batch, const int32_t[::1] sampled,
                         int64_t[::1] out_ids, int32_t[::1] out_tokens,

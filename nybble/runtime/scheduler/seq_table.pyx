@@ -16,7 +16,7 @@ between its ``Scheduler`` and its ``Request`` / request-queue objects):
   finished sequences freed in the same step;
 * ``finish``: a sequence ends early (stop string, abort) wherever it is.
 """
-from libc.stdint cimport int8_t, int32_t, int64_t
+from libc.stdint cimport int8_t, int32_t, int64_t, uint64_t
 from libc.string cimport memcpy, memmove
 
 import numpy as np
@@ -53,10 +53,11 @@ cdef class SequenceTable:
 
     cdef int32_t add(self, int64_t seq_id, const int32_t[::1] prompt, const int32_t[::1] stops,
                      int64_t max_tokens, int32_t num_samples, int64_t cap_tokens,
-                     bint skip_cache=False) except -1:
+                     bint skip_cache=False, uint64_t hash_root=0) except -1:
         """Queue a new sequence at the back of waiting: ``prompt`` (P >= 1 tokens, ``cap_tokens``
         >= P + 1 capacity), ``stops``, ``min(max_tokens, cap_tokens)``, ``num_samples``;
-        ``skip_cache``: it never takes cached prefix blocks. The caller validated every
+        ``skip_cache``: it never takes cached prefix blocks; ``hash_root``: the root of its
+        prefix-hash chain (0; a LoRA adapter's own root). The caller validated every
         argument. Returns its slot."""
         cdef int32_t slot = store_new_slot(&self.st, seq_id, stops.shape[0], cap_tokens)
         self._slot_of[seq_id] = slot
@@ -64,6 +65,7 @@ cdef class SequenceTable:
         s.num_prompt_tokens = s.num_tokens = <int32_t> prompt.shape[0]
         s.max_tokens, s.num_samples = <int32_t> min(max_tokens, cap_tokens), num_samples
         s.skip_cache = skip_cache
+        s.hash_root = s.last_hash = hash_root
         if s.num_stop:
             memcpy(self.st.arena + s.region_off, &stops[0], s.num_stop * sizeof(int32_t))
         memcpy(seq_tokens(&self.st, s), &prompt[0], s.num_tokens * sizeof(int32_t))
@@ -213,9 +215,9 @@ cdef class SequenceTable:
 
     cdef int free_blocks(self, int32_t slot) noexcept nogil:
         """Drop the sequence's reference to each of its blocks, last block first (cached ones
-        stay findable until evicted); its prefix-hash state restarts at block 0."""
+        stay findable until evicted); its prefix-hash state restarts at block 0 (its root)."""
         cdef SeqState* s = &self.st.seqs[slot]
-        s.num_hashed, s.last_hash = 0, 0
+        s.num_hashed, s.last_hash = 0, s.hash_root
         return self._allocator.free_blocks(block_table_row(&self.st, slot), &s.num_blocks)
 
     cdef int take_cached_prefix(self, int32_t slot) noexcept nogil:

@@ -52,7 +52,11 @@ ctypedef struct SeqState:
     # num_stop           int32   stop ids at the front of the region
     # region_off         int64   arena offset of the region (int32 elements)
     # num_hashed         int32   prefix caching: leading full blocks registered/hit (blocks)
-    # last_hash          uint64  prefix caching: chained hash of block num_hashed-1 (0: none)
+    # last_hash          uint64  prefix caching: chained hash of block num_hashed-1 (hash_root:
+    #                            none)
+    # hash_root          uint64  prefix caching: the chain's root h_{-1} (0; a LoRA adapter's
+    #                            requests start from their own root, so no KV is shared
+    #                            across adapters)
     # skip_cache         int32   1: never take cached blocks (every prompt position is computed,
     #                            e.g. for prompt logprobs); its full blocks are still registered
     int64_t seq_id
@@ -70,6 +74,7 @@ ctypedef struct SeqState:
     int64_t region_off
     int32_t num_hashed
     uint64_t last_hash
+    uint64_t hash_root
     int32_t skip_cache
 
 ctypedef struct SlotStore:
@@ -199,7 +204,7 @@ cdef inline int32_t store_new_slot(SlotStore* st, int64_t seq_id, int64_t num_st
     s.num_stop, s.cap_tokens = <int32_t> num_stop, <int32_t> cap_tokens
     s.num_tokens = s.num_computed = s.num_scheduled = s.num_blocks = s.num_spec = 0
     s.num_prompt_tokens = s.max_tokens = s.num_hashed = 0
-    s.num_samples, s.last_hash, s.skip_cache = 1, 0, 0
+    s.num_samples, s.last_hash, s.skip_cache, s.hash_root = 1, 0, 0, 0
     return slot
 
 
@@ -223,6 +228,7 @@ cdef inline void store_clone(SlotStore* st, int32_t parent, int32_t child) noexc
     c.max_tokens = p.max_tokens
     c.num_computed = p.num_computed + p.num_scheduled
     c.num_hashed, c.last_hash, c.skip_cache = p.num_hashed, p.last_hash, p.skip_cache
+    c.hash_root = p.hash_root
     memcpy(st.arena + c.region_off, st.arena + p.region_off,
            (p.num_stop + p.num_tokens) * sizeof(int32_t))
 

@@ -31,6 +31,7 @@ from nybble.runtime.worker.draft_proposer import DraftProposer, decode_rows_meta
 from nybble.runtime.worker.host_memory import retain_freed_memory
 from nybble.runtime.worker.kv_cache import allocate_kv_cache
 from nybble.runtime.worker.kv_plan import KVCacheSpec
+from nybble.runtime.worker.lora_manager import LoRAManager
 from nybble.runtime.sample.logit_shaping import LogitShaping
 from nybble.runtime.messages import EngineCoreRequest
 from nybble.runtime.worker.prompt_logprobs import PromptLogprobsChunk, PromptLogprobsTracker
@@ -96,11 +97,15 @@ class ModelRunner:
         device: where the model and cache live.
         config: the engine configuration (seed, step limits, speculative decoding).
         proposer: the draft model of speculative decoding (``None``: none, or n-gram).
+        lora: the LoRA adapters and device slots (``None``: LoRA off); each step tells the
+            model which slot every token row uses.
     """
 
     def __init__(self, loaded: LoadedModel, spec: KVCacheSpec, device: torch.device,
-                 config: EngineConfig, proposer: DraftProposer | None = None) -> None:
+                 config: EngineConfig, proposer: DraftProposer | None = None,
+                 lora: LoRAManager | None = None) -> None:
         self.model = loaded.model
+        self.lora = lora
         self.spec = spec
         self.device = device
         if device.type == "cpu":
@@ -124,6 +129,9 @@ class ModelRunner:
             # NOTE: not under tensor parallelism: the fused step has no collectives
             logger.info("CPU decode step: %s",
                         self.model.enable_fused_cpu_decode(self.kv_caches))
+            if lora is not None and self.model.fused_decode is not None:
+                logger.info("CPU decode step with LoRA: the fused C step adds each row's "
+                            "adapter from the model's %d slot(s)", lora.config.max_loras)
             if proposer is not None:   # the draft model of speculative decoding too
                 logger.info("CPU draft step: %s",
                             proposer.model.enable_fused_cpu_decode(proposer.kv_caches))
@@ -215,7 +223,11 @@ class ModelRunner:
             self._copy_blocks(batch.copy_src, batch.copy_dst)
         if self.proposer is not None:
             self.proposer.propose(batch)
-        if self.graphs is not None and self.graphs.can_run(batch):
+        token_slots = None
+        if self.lora is not None:
+            token_slots = self.lora.token_slots(batch)
+            self.model.lora.set_step(token_slots)
+        if self.graphs is not None and token_slots is None and self.graphs.can_run(batch):
             return self.graphs.run(batch)
         input_ids, positions, meta = self.prepare(batch)
         if self.speculative and batch.max_query_len > 1 and \

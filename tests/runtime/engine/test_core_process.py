@@ -52,6 +52,9 @@ class ScriptedCore:
         self.log.append(("abort", list(ids)))
         self.requests = [r for r in self.requests if r not in ids]
 
+    def take_failed_admissions(self) -> list[tuple[str, str, str | None]]:
+        return []
+
     def request_ids(self) -> list[str]:
         return list(self.requests)
 

@@ -1,0 +1,72 @@
+"""LoRA on GPTQ and AWQ bases: the adapter's update is added to the output of the packed 4-bit
+linear, so nybble's outputs equal transformers + PEFT on the dequantized base (float32
+activations, the CPU kernel's exact mode)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from nybble import LLM, LoRARequest, SamplingParams
+from nybble.config import ModelConfig
+from nybble.kernels.reference.attention import TorchAttentionBackend
+from nybble.models.loader import load_model
+from tests.conftest import shared_path
+from tests.lora.adapters import PeftOracle, make_adapter
+
+pytestmark = pytest.mark.slow
+BASES = {"tiny-llama-gptq-4bit-g32": "gptq_model-4bit-32g.safetensors",
+         "tiny-llama-awq-4bit-g32": "model.safetensors"}
+
+
+def _dequantized_folder(gptq: str, weights: str, folder: str) -> str:
+    """A float32 Hugging Face folder of the quantized model's dequantized weights."""
+    loaded = load_model(ModelConfig(model=gptq, dtype="float32"), TorchAttentionBackend(),
+                        torch.device("cpu"))
+    raw = load_file(os.path.join(gptq, weights))
+    tensors = {k: v.float() for k, v in raw.items()
+               if not k.endswith((".qweight", ".qzeros", ".scales", ".g_idx", ".bias"))}
+    assert all(not v.any() for k, v in raw.items() if k.endswith(".bias"))
+    for module in loaded.model.modules():
+        prefixes = getattr(module, "shard_prefixes", None)
+        if prefixes is None:
+            continue
+        weight = module.dequantized_weight().float()
+        for prefix, part in zip(prefixes, weight.split(module.shard_widths, 0)):
+            tensors[f"{prefix}.weight"] = part.contiguous()
+    os.makedirs(folder)
+    save_file(tensors, os.path.join(folder, "model.safetensors"))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(os.path.join(gptq, name), folder)
+    with open(os.path.join(gptq, "config.json")) as f:
+        config = json.load(f)
+    config.pop("quantization_config")
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f)
+    return folder
+
+
+@pytest.mark.parametrize("base", sorted(BASES))
+def test_lora_on_a_quantized_base_equals_peft_on_the_dequantized_base(base: str,
+                                                                      tmp_path) -> None:
+    gptq = shared_path("fixtures", "quant", base)
+    dense = _dequantized_folder(gptq, BASES[base], str(tmp_path / "dense"))
+    adapter = make_adapter(dense, str(tmp_path / "a"), r=8, alpha=16, seed=1)
+    prompt = [1, 40, 41, 42, 43, 44]
+    with LLM(gptq, enable_lora=True, max_lora_rank=16, dtype="float32",
+             cpu_activation_dtype="float32", cpu_prefill_gemm="float32") as llm:
+        outs = llm.generate([prompt, prompt], SamplingParams(temperature=0, max_tokens=6,
+                                                             ignore_eos=True, logprobs=3),
+                            use_tqdm=False, lora_request=[None, LoRARequest("a", 1, adapter)])
+    for out, path in zip(outs, (None, adapter)):
+        oracle = PeftOracle(dense, path)
+        tokens, logprobs = oracle.greedy(prompt, 6)
+        sample = out.outputs[0]
+        assert list(sample.token_ids) == tokens
+        got = [step[t] for step, t in zip(sample.logprobs, sample.token_ids)]
+        assert max(abs(a - b) for a, b in zip(got, logprobs)) < 2e-4
+    assert outs[0].outputs[0].token_ids != outs[1].outputs[0].token_ids
