@@ -70,3 +70,32 @@ def test_lora_on_a_quantized_base_equals_peft_on_the_dequantized_base(base: str,
         got = [step[t] for step, t in zip(sample.logprobs, sample.token_ids)]
         assert max(abs(a - b) for a, b in zip(got, logprobs)) < 2e-4
     assert outs[0].outputs[0].token_ids != outs[1].outputs[0].token_ids
+
+
+def test_lora_on_a_gguf_base_equals_peft_on_transformers_dequantized_gguf(tmp_path) -> None:
+    """A llama.cpp Q4_0 file as the base: the oracle is transformers' own GGUF loader
+    (it dequantizes every tensor to float32) with the PEFT adapter on top."""
+    from transformers import AutoModelForCausalLM
+
+    folder, name = shared_path("fixtures", "gguf"), "stories3m-Q4_0.gguf"
+    dense = str(tmp_path / "dense")
+    hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    hf.hf_quantizer = None                      # its weights are plain float32 tensors now
+    if hasattr(hf.config, "quantization_config"):
+        del hf.config.quantization_config
+    hf.save_pretrained(dense)
+    adapter = make_adapter(dense, str(tmp_path / "a"), r=8, alpha=16, seed=2,
+                           use_rslora=True)
+    prompt = [1, 40, 41, 42, 43, 44]
+    with LLM(os.path.join(folder, name), enable_lora=True, max_lora_rank=16,
+             cpu_activation_dtype="float32", cpu_prefill_gemm="float32") as llm:
+        outs = llm.generate([prompt, prompt], SamplingParams(temperature=0, max_tokens=6,
+                                                             ignore_eos=True, logprobs=3),
+                            use_tqdm=False, lora_request=[LoRARequest("a", 1, adapter), None])
+    for out, path in zip(outs, (adapter, None)):
+        tokens, logprobs = PeftOracle(dense, path).greedy(prompt, 6)
+        sample = out.outputs[0]
+        assert list(sample.token_ids) == tokens
+        got = [step[t] for step, t in zip(sample.logprobs, sample.token_ids)]
+        assert max(abs(a - b) for a, b in zip(got, logprobs)) < 2e-4
+    assert outs[0].outputs[0].token_ids != outs[1].outputs[0].token_ids
