@@ -175,8 +175,9 @@ def _packable(layers: nn.ModuleList, opts: QuantizeOptions
     {regrouped: group size})``.
 
     Raises:
-        ValueError: nothing can be quantized, or some Linears cannot and
-            ``opts.allow_unquantized`` is off.
+        ValueError: nothing can be quantized, some Linears cannot and
+            ``opts.allow_unquantized`` is off, or a layer lacks one of the projections
+            (a fused-checkpoint family: Phi-3).
     """
     names_per_layer: list[list[str]] = []
     skipped: dict[str, str] = {}
@@ -184,7 +185,14 @@ def _packable(layers: nn.ModuleList, opts: QuantizeOptions
     for i, layer in enumerate(layers):
         ok = []
         for n in layer_linears(layer):
-            lin = layer.get_submodule(n)
+            try:
+                lin = layer.get_submodule(n)
+            except AttributeError:
+                raise ValueError(
+                    f"nybble quantize needs every layer's q/k/v/o and gate/up/down projections "
+                    f"as separate Linears; layer {i} has no {n} (fused-checkpoint families "
+                    f"such as Phi-3, whose files store qkv_proj and gate_up_proj, are not "
+                    f"quantized by nybble yet; serve the float model)") from None
             gs = opts.group_size if opts.awq_layout or opts.format == "gguf" else (
                 group_size_for(lin.in_features, opts.group_size) or opts.group_size)
             why = skip_reason(lin, opts.bits, gs)
