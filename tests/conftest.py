@@ -10,6 +10,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # NOTE: one intra-op thread. The models under test are tiny, and on a 2-core machine shared
 # with a server subprocess, OpenMP spin-waiting makes 2 threads ~50x slower than 1.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# TRITON_INTERPRET is read when triton is first imported, and test modules outside
+# tests/kernels can import it first (transformers' mixture-of-experts models do): without
+# CUDA the whole run uses the interpreter (tests/kernels/conftest.py's rule, set here first;
+# no torch import needed: the NVIDIA driver's device file tells)
+if not os.path.exists("/dev/nvidiactl"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 
