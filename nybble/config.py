@@ -443,7 +443,6 @@ class EngineConfig:
             # NOTE: a LoRA step reads per-row adapter slots that these paths do not carry
             for name, value, allowed in (
                     ("speculative_config", self.speculative_config, None),
-                    ("tensor_parallel_size", self.parallel_config.tensor_parallel_size, 1),
                     ("compilation_level", self.compilation_config.compilation_level, 0)):
                 _check(value == allowed, f"{name} with enable_lora", repr(allowed), value)
 

@@ -26,8 +26,6 @@ def test_flags_reach_the_config_with_vllms_defaults() -> None:
     ({"max_loras": 0}, "max_loras must be an int >= 1"),
     ({"max_lora_rank": 7}, "max_lora_rank must be one of"),
     ({"max_loras": 4, "max_cpu_loras": 2}, r"max_cpu_loras must be >= max_loras \(4\)"),
-    ({"enable_lora": True, "tensor_parallel_size": 2},
-     "tensor_parallel_size with enable_lora must be 1"),
     ({"enable_lora": True, "speculative_config": {"method": "ngram"}},
      "speculative_config with enable_lora must be None"),
     ({"enable_lora": True, "compilation_level": 3}, "compilation_level with enable_lora"),

@@ -31,6 +31,8 @@ class Kind(enum.IntEnum):
     STEP = 2      # run the forward of the step whose arrays are the payload
     LOGITS = 3    # take part in the logits of the hidden rows in the payload
     STOP = 4      # leave the loop (engine shutdown)
+    LORA = 5      # ints: [slot]; payload: an adapter folder's path (UTF-8 bytes as int64);
+                  # load this rank's share of the adapter into that LoRA slot
 
 
 @dataclass(frozen=True)

@@ -72,12 +72,24 @@ class LayerOps:
     moe: Fn | None = None
 
     @classmethod
-    def of(cls, layer: DecoderLayerParts) -> LayerOps:
-        """The ops of ``layer`` (bound to its current weights)."""
+    def of(cls, layer: DecoderLayerParts,
+           adapt: Callable[[str, Fn], Fn] | None = None) -> LayerOps:
+        """The ops of ``layer`` (bound to its current weights).
+
+        Args:
+            layer: the decoder layer.
+            adapt: ``(field, fn) -> fn`` wrapping the ``qkv``, ``o_proj``, ``gate_up`` and
+                ``down`` projections of a dense layer (multi-LoRA:
+                :meth:`nybble.models.lora.LoRASlots.adapt`), applied to a row-parallel
+                projection before its all-reduce; None: none.
+        """
         attn, mlp = layer.self_attn, layer.mlp
         moe = getattr(mlp, "expert_prefixes", None) is not None
-        o_proj = as_function(attn.o_proj)
-        down = no_dense_mlp if moe else as_function(mlp.down_proj)
+        wrap = adapt or (lambda field, fn: fn)
+        qkv = wrap("qkv", as_function(attn.qkv_proj))
+        o_proj = wrap("o_proj", as_function(attn.o_proj))
+        gate_up = no_dense_mlp if moe else wrap("gate_up", as_function(mlp.gate_up_proj))
+        down = no_dense_mlp if moe else wrap("down", as_function(mlp.down_proj))
         tp = getattr(layer, "tp", None)
         moe_fn = as_function(mlp) if moe else None
         if tp is not None and tp.world_size > 1:   # row-parallel: sum the ranks' partials
@@ -88,9 +100,8 @@ class LayerOps:
                 down = _all_reduced(down, tp)
         sandwich = getattr(layer, "sandwich", False)
         pre_mlp = layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm
-        return cls(as_function(layer.input_layernorm), as_function(attn.qkv_proj),
-                   o_proj, as_function(pre_mlp),
-                   no_dense_mlp if moe else as_function(mlp.gate_up_proj), down, attn.attend,
+        return cls(as_function(layer.input_layernorm), qkv, o_proj, as_function(pre_mlp),
+                   gate_up, down, attn.attend,
                    attn.rope, attn.num_heads, attn.num_kv_heads, attn.head_dim,
                    getattr(mlp, "act", silu_and_mul), _optional(getattr(attn, "q_norm", None)),
                    _optional(getattr(attn, "k_norm", None)),

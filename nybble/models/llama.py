@@ -245,13 +245,13 @@ class LlamaForCausalLM(nn.Module):
         q/k/v/o and gate/up/down projection add the step's LoRA updates
         (:class:`~nybble.models.lora.LoRASlots`; call after the weights are loaded).
 
+        Under tensor parallelism the slots hold this rank's share of each adapter
+        (:class:`~nybble.models.lora.LoRASlots`).
+
         Raises:
-            UnsupportedModelError: under tensor parallelism, for a fused-checkpoint
-                family (Phi-3: its adapters target ``qkv_proj`` / ``gate_up_proj``), or for a
-                mixture-of-experts model.
+            UnsupportedModelError: for a fused-checkpoint family (Phi-3: its adapters target
+                ``qkv_proj`` / ``gate_up_proj``), or for a mixture-of-experts model.
         """
-        if self.layout.sharded:
-            raise UnsupportedModelError("LoRA adapters need tensor_parallel_size 1")
         if self.spec.fused_checkpoint:
             raise UnsupportedModelError("LoRA adapters are not supported on a fused-checkpoint "
                                         "family (Phi-3)")
@@ -260,7 +260,7 @@ class LlamaForCausalLM(nn.Module):
                                         "models (Qwen3-MoE, Mixtral); dense families only")
         weight = self.norm.weight
         self.lora = LoRASlots(self.lora_targets(), max_loras, max_rank, weight.dtype,
-                              weight.device)
+                              weight.device, self.layout)
         self._ops = None
         self.fused_decode = None     # NOTE: built again with the slots (enable_fused_cpu_decode)
         return self.lora
@@ -277,9 +277,9 @@ class LlamaForCausalLM(nn.Module):
             if self.quant_embed is not None and self.embed_scale is not None:
                 rows, scale = self.quant_embed.embed_rows, self.embed_scale
                 embed = lambda ids: rows(ids).mul_(scale)  # noqa: E731 (Gemma's sqrt(hidden))
-            layers = tuple(LayerOps.of(layer) for layer in self.layers)
-            if self.lora is not None:
-                layers = tuple(self.lora.wrap(i, ops) for i, ops in enumerate(layers))
+            lora = self.lora
+            layers = tuple(LayerOps.of(layer, None if lora is None else lora.adapt(i))
+                           for i, layer in enumerate(self.layers))
             self._ops = ModelOps(embed, tuple(self.rotary_embs), layers, as_function(self.norm))
         return self._ops
 

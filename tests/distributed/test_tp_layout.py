@@ -118,7 +118,8 @@ def test_step_payload_round_trip():
         copy_dst=np.array([9], np.int32))
     ints, payload = pack_step(b)
     assert payload.dtype == torch.int64 and payload.numel() == 3 * 5 + 6 + 2 + 3 + 2
-    got = unpack_step(tuple(ints), payload)
+    got, slots = unpack_step(tuple(ints), payload)
+    assert slots is None
     for name in ("input_ids", "positions", "slot_mapping", "block_tables", "seq_lens",
                  "query_start_loc", "copy_src", "copy_dst"):
         a, e = getattr(got, name), getattr(b, name)
@@ -126,3 +127,9 @@ def test_step_payload_round_trip():
     assert (got.num_tokens, got.max_query_len, got.max_seq_len) == (5, 4, 9)
     with pytest.raises(ValueError, match="must hold 28 int64 values"):
         unpack_step(tuple(ints), payload[:-1])
+    # a LoRA step: each row's adapter slot follows the arrays
+    token_slots = torch.tensor([-1, 0, 0, 2, 1])
+    ints, payload = pack_step(b, token_slots)
+    got, slots = unpack_step(tuple(ints), payload)
+    assert payload.numel() == 28 + 5 and torch.equal(slots, token_slots)
+    assert np.array_equal(got.copy_dst, b.copy_dst)

@@ -9,6 +9,10 @@ from typing import Any
 
 import torch
 
+TOL = 2e-4
+"""Logprob tolerance: float32 rounding of another op order (the float32 oracle itself is
+5e-5 from its float64 self on these adapters)."""
+
 
 def make_adapter(base: str, folder: str, r: int, alpha: float, seed: int,
                  use_rslora: bool = False, targets: tuple[str, ...] = (
@@ -69,3 +73,26 @@ def edit_config(folder: str, **changes: Any) -> str:
     with open(path, "w") as f:
         json.dump(config, f)
     return folder
+
+
+def check_against_peft(base: str, outs, loras, steps: int = 8) -> None:
+    """Each output's greedy tokens equal :class:`PeftOracle`'s for its adapter (``loras[i]``:
+    a ``LoRARequest`` or None for the base), and every logprob it reports (prompt and
+    sampled, float32) is within :data:`TOL` of the oracle's."""
+    oracles = {}
+    for out, lora in zip(outs, loras):
+        path = None if lora is None else lora.lora_path
+        oracle = oracles.setdefault(path, PeftOracle(base, path))
+        tokens, _ = oracle.greedy(list(out.prompt_token_ids), steps)
+        sample = out.outputs[0]
+        assert list(sample.token_ids) == tokens, (path, out.prompt)
+        ids = list(out.prompt_token_ids)
+        if out.prompt_logprobs is not None:     # the prefill's logits, every position
+            want = torch.log_softmax(oracle.logits(ids), -1)
+            for pos, top in enumerate(out.prompt_logprobs[1:]):
+                for tid, lp in top.items():
+                    assert abs(lp - float(want[pos, tid])) < TOL, (path, pos, tid)
+        for step, (token, top) in enumerate(zip(sample.token_ids, sample.logprobs)):
+            want = torch.log_softmax(oracle.logits(ids + list(sample.token_ids[:step]))[-1], -1)
+            for tid, lp in top.items():
+                assert abs(lp - float(want[tid])) < TOL, (path, step, tid, lp, float(want[tid]))

@@ -1,6 +1,6 @@
-"""LoRA on GPTQ and AWQ bases: the adapter's update is added to the output of the packed 4-bit
-linear, so nybble's outputs equal transformers + PEFT on the dequantized base (float32
-activations, the CPU kernel's exact mode)."""
+"""LoRA on GPTQ and AWQ bases (one rank and tensor-parallel): the adapter's update is added to
+the output of the packed 4-bit linear, so nybble's outputs equal transformers + PEFT on the
+dequantized base (float32 activations, the CPU kernel's exact mode)."""
 from __future__ import annotations
 
 import json
@@ -50,15 +50,19 @@ def _dequantized_folder(gptq: str, weights: str, folder: str) -> str:
     return folder
 
 
+@pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("base", sorted(BASES))
-def test_lora_on_a_quantized_base_equals_peft_on_the_dequantized_base(base: str,
+def test_lora_on_a_quantized_base_equals_peft_on_the_dequantized_base(base: str, tp: int,
                                                                       tmp_path) -> None:
+    # tp 2: each rank's packed shard plus its share of the adapter (tests/distributed/
+    # test_tp_lora.py), the row-parallel partials summed by one all-reduce
     gptq = shared_path("fixtures", "quant", base)
     dense = _dequantized_folder(gptq, BASES[base], str(tmp_path / "dense"))
     adapter = make_adapter(dense, str(tmp_path / "a"), r=8, alpha=16, seed=1)
     prompt = [1, 40, 41, 42, 43, 44]
     with LLM(gptq, enable_lora=True, max_lora_rank=16, dtype="float32",
-             cpu_activation_dtype="float32", cpu_prefill_gemm="float32") as llm:
+             cpu_activation_dtype="float32", cpu_prefill_gemm="float32",
+             tensor_parallel_size=tp, threads=1) as llm:
         outs = llm.generate([prompt, prompt], SamplingParams(temperature=0, max_tokens=6,
                                                              ignore_eos=True, logprobs=3),
                             use_tqdm=False, lora_request=[None, LoRARequest("a", 1, adapter)])

@@ -10,15 +10,12 @@ from nybble import LLM, LoRARequest, SamplingParams
 from nybble.config import DEFAULT_MODEL
 
 from tests.conftest import shared_path
-from tests.lora.adapters import PeftOracle, make_adapter
+from tests.lora.adapters import PeftOracle, check_against_peft, make_adapter
 
 pytestmark = pytest.mark.slow
 PROMPTS = ["Once upon a time", "Tom and Sue went to the park", "The little dog",
            "Lily had a red ball"]
 STEPS = 8
-TOL = 2e-4
-"""Logprob tolerance: float32 rounding of another op order (the float32 oracle itself is
-5e-5 from its float64 self on these adapters)."""
 
 
 def _adapters(base: str, folder) -> tuple[str, str]:
@@ -40,33 +37,13 @@ def setup(request, tmp_path_factory):
     llm.shutdown()
 
 
-def _check_against_peft(base: str, outs, loras) -> None:
-    oracles = {}
-    for out, lora in zip(outs, loras):
-        path = None if lora is None else lora.lora_path
-        oracle = oracles.setdefault(path, PeftOracle(base, path))
-        tokens, _ = oracle.greedy(list(out.prompt_token_ids), STEPS)
-        sample = out.outputs[0]
-        assert list(sample.token_ids) == tokens, (path, out.prompt)
-        ids = list(out.prompt_token_ids)
-        if out.prompt_logprobs is not None:     # the prefill's logits, every position
-            want = torch.log_softmax(oracle.logits(ids), -1)
-            for pos, top in enumerate(out.prompt_logprobs[1:]):
-                for tid, lp in top.items():
-                    assert abs(lp - float(want[pos, tid])) < TOL, (path, pos, tid)
-        for step, (token, top) in enumerate(zip(sample.token_ids, sample.logprobs)):
-            want = torch.log_softmax(oracle.logits(ids + list(sample.token_ids[:step]))[-1], -1)
-            for tid, lp in top.items():
-                assert abs(lp - float(want[tid])) < TOL, (path, step, tid, lp, float(want[tid]))
-
-
 def test_a_mixed_batch_equals_transformers_peft(setup) -> None:
     base, llm, a, b = setup
     loras = [None, a, b, a]
     params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, logprobs=5,
                             prompt_logprobs=5)
     outs = llm.generate(PROMPTS, params, use_tqdm=False, lora_request=loras)
-    _check_against_peft(base, outs, loras)
+    check_against_peft(base, outs, loras)
     # the adapters change the outputs (the comparison above is not of the base model thrice)
     assert len({tuple(o.outputs[0].token_ids) for o in outs[:3]}) == 3
 
@@ -90,7 +67,7 @@ def test_requests_wait_for_a_slot_and_steps_hold_at_most_max_loras_adapters(tmp_
                 if out.finished:
                     finished[out.request_id] = out
         assert seen_waiting and not admission.waiting and not admission.slot_of
-        _check_against_peft(DEFAULT_MODEL, [finished[str(i)] for i in range(4)], loras)
+        check_against_peft(DEFAULT_MODEL, [finished[str(i)] for i in range(4)], loras)
 
 
 def test_prefix_cache_blocks_are_never_shared_across_adapters(tmp_path) -> None:
@@ -105,7 +82,7 @@ def test_prefix_cache_blocks_are_never_shared_across_adapters(tmp_path) -> None:
                 for lora in order]
     assert [o.num_cached_tokens for o in outs[:3]] == [0, 0, 0]   # other roots: no hit
     assert outs[3].num_cached_tokens > 0                          # same adapter: hit
-    _check_against_peft(DEFAULT_MODEL, outs, order)
+    check_against_peft(DEFAULT_MODEL, outs, order)
 
 
 def test_lora_requests_without_enable_lora_or_with_beam_search_are_refused(tmp_path) -> None:

@@ -132,6 +132,8 @@ class EngineCore:
         if self.executor is not None:
             self.executor.setup(self.kv_spec.num_blocks)
             self.runner.step_hook = self.executor.send_step
+            if lora is not None:
+                lora.on_write = self.executor.send_lora
         sc = config.scheduler_config
         ngram = spec is not None and spec.method == "ngram"
         self.scheduler = Scheduler(self.kv_spec.num_blocks, self.kv_spec.block_size,

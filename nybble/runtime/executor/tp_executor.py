@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 
+import numpy as np
 import torch
 
 from nybble.config import EngineConfig, encode_config
@@ -114,16 +115,29 @@ class Executor:
             raise WorkerFailedError(f"{self.tp.world_size - int(ready.item())} "
                                     f"tensor-parallel worker(s) failed to start")
 
-    def send_step(self, batch: ScheduledBatch) -> None:
-        """Send ``batch``'s arrays to the workers (before rank 0's own forward).
+    def send_step(self, batch: ScheduledBatch, token_slots: torch.Tensor | None = None) -> None:
+        """Send ``batch``'s arrays, and the LoRA slot of each row (``[T]`` int64, or None),
+        to the workers (before rank 0's own forward).
 
         Raises:
             WorkerFailedError: a worker is gone (checked first, so no collective waits
                 on it).
         """
         self.check_workers()
-        ints, payload = pack_step(batch)
+        ints, payload = pack_step(batch, token_slots)
         channel.send(self.tp, channel.Kind.STEP, ints, payload)
+
+    def send_lora(self, slot: int, path: str) -> None:
+        """Have every worker load its share of the adapter folder ``path`` into LoRA slot
+        ``slot`` (rank 0 has read and checked the folder already; the workers read it
+        from the same path, before the next step).
+
+        Raises:
+            WorkerFailedError: a worker is gone.
+        """
+        self.check_workers()
+        data = np.frombuffer(path.encode(), np.uint8).astype(np.int64)
+        channel.send(self.tp, channel.Kind.LORA, [slot], torch.from_numpy(data))
 
     def shutdown(self) -> None:
         """Stop the workers (``STOP``, then kill after :data:`STOP_WAIT_S`) and leave the

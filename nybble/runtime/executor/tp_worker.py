@@ -4,7 +4,9 @@ commands until told to stop or rank 0's process is gone.
 Each step it receives the step's arrays (:mod:`nybble.runtime.executor.step_payload`), runs the same
 forward as rank 0 over its own shard of the paged KV cache (same block count, same block
 tables; its share of the KV heads), and takes part in the logits rank 0 asks for. It never
-samples. Started by :mod:`nybble.runtime.executor.tp_executor` (a spawned process, or a Ray actor).
+samples. With LoRA on it holds its share of every adapter slot
+(:class:`nybble.models.lora.LoRASlots`), filled when rank 0 says so (``LORA``: it reads the
+adapter folder itself), and each step's payload carries the rows' slots. Started by :mod:`nybble.runtime.executor.tp_executor` (a spawned process, or a Ray actor).
 """
 from __future__ import annotations
 
@@ -14,12 +16,15 @@ import logging
 import os
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from nybble.config import EngineConfig, decode_config
 from nybble.distributed import channel
 from nybble.distributed.comm import TPGroup, destroy_tp_group, init_tp_group
 from nybble.kernels import get_attention_backend
+from nybble.lora_files import read_adapter
+from nybble.models.lora import load_adapter_weights
 from nybble.models.loader import LoadedModel, load_model
 from nybble.oslimits import die_with_parent
 from nybble.runtime.worker.kv_plan import KVCacheSpec, fit_max_model_len, kv_storage_dtype
@@ -65,7 +70,22 @@ class TPWorker:
         self.config, self.tp = config, tp
         backend = get_attention_backend(config.attention_backend, tp.device)
         self.loaded: LoadedModel = load_model(config.model_config, backend, tp.device, tp)
+        lc = config.lora_config
+        if lc.enable_lora:
+            self.loaded.model.enable_lora(lc.max_loras, lc.max_lora_rank)
         self.runner: ModelRunner | None = None
+
+    def _load_lora(self, slot: int, path: str) -> None:
+        """Put this rank's share of the adapter folder ``path`` into LoRA slot ``slot``.
+
+        Raises:
+            LoRAAdapterError: the folder cannot be read here (rank 0 read it: the worker
+                then stops, and the engine reports the failed worker).
+        """
+        model = self.loaded.model
+        assert model.lora is not None, "a LORA command needs enable_lora"
+        spec = read_adapter(path, model.lora_targets(), model.lora.max_rank)
+        model.lora.write(slot, load_adapter_weights(spec, model.lora.dtype))
 
     def _setup(self, num_blocks: int) -> None:
         """Allocate this rank's KV-cache shard: rank 0's block count, this rank's heads."""
@@ -92,7 +112,11 @@ class TPWorker:
                 self.tp.all_reduce(torch.ones(1, device=self.tp.device))  # "ready"
             elif cmd.kind == channel.Kind.STEP:
                 assert self.runner is not None and cmd.payload is not None
-                self.runner.forward(unpack_step(cmd.ints, cmd.payload))
+                self.runner.forward(*unpack_step(cmd.ints, cmd.payload))
+            elif cmd.kind == channel.Kind.LORA:
+                assert cmd.payload is not None
+                path = cmd.payload.cpu().numpy().astype(np.uint8).tobytes().decode()
+                self._load_lora(cmd.ints[0], path)
             elif cmd.kind == channel.Kind.LOGITS:
                 assert cmd.payload is not None
                 self.loaded.model.worker_logits(cmd.payload.view(-1, hidden_size))

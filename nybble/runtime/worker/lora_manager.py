@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -34,6 +35,10 @@ logger = logging.getLogger(__name__)
 class LoRAManager:
     """Adapters on the host and in the model's device slots.
 
+    Under tensor parallelism rank 0's manager decides for every rank: :attr:`on_write` tells
+    the workers to fill the same slot from the same folder, and the rows' slots travel with
+    each step (:mod:`nybble.runtime.executor.step_payload`).
+
     Args:
         model: the loaded model; :meth:`LlamaForCausalLM.enable_lora` is called here.
         config: ``max_loras`` slots, ``max_lora_rank``, ``max_cpu_loras`` host entries.
@@ -41,6 +46,8 @@ class LoRAManager:
 
     def __init__(self, model: LlamaForCausalLM, config: LoRAConfig) -> None:
         self.config = config
+        # tensor parallelism: tells the workers to fill a slot (slot, adapter folder)
+        self.on_write: Callable[[int, str], None] | None = None
         self.slots = model.enable_lora(config.max_loras, config.max_lora_rank)
         self.targets = model.lora_targets()
         self.dtype = model.norm.weight.dtype
@@ -105,6 +112,8 @@ class LoRAManager:
             weights = self.load(lora)
             self._resident[slot] = None     # NOTE: write() clears the slot before it fills it
             self.slots.write(slot, weights)
+            if self.on_write is not None:
+                self.on_write(slot, lora.lora_path)
             self._resident[slot] = lid
         self._pins[slot] += 1
         self._used[slot] = self._clock

@@ -136,7 +136,7 @@ class ModelRunner:
                 logger.info("CPU draft step: %s",
                             proposer.model.enable_fused_cpu_decode(proposer.kv_caches))
         # tensor parallelism: sends each step to the workers before the forward
-        self.step_hook: Callable[[ScheduledBatch], None] | None = None
+        self.step_hook: Callable[[ScheduledBatch, torch.Tensor | None], None] | None = None
         self.graphs: DecodeGraphs | None = None
         # NOTE: no CUDA graphs under tensor parallelism: every rank must replay in lockstep
         blocker = self.model.cuda_graph_blocker() if device.type == "cuda" else None
@@ -215,17 +215,27 @@ class ModelRunner:
             return hidden
         return hidden.index_select(0, self.inputs.put("sample_rows", rows.astype(np.int64)))
 
+    def token_slots(self, batch: ScheduledBatch) -> torch.Tensor | None:
+        """``[T]`` int64 LoRA slot of each token row of ``batch`` (``-1``: base), or None
+        when LoRA is off or no row uses an adapter."""
+        return None if self.lora is None else self.lora.token_slots(batch)
+
     @torch.inference_mode()
-    def forward(self, batch: ScheduledBatch) -> torch.Tensor:
+    def forward(self, batch: ScheduledBatch,
+                token_slots: torch.Tensor | None = None) -> torch.Tensor:
         """The step's forward alone: copy-on-write block copies, then the model; returns
-        the final hidden states ``[T, hidden]`` (what a tensor-parallel worker runs)."""
+        the final hidden states ``[T, hidden]`` (what a tensor-parallel worker runs).
+
+        Args:
+            batch: the step.
+            token_slots: ``[T]`` int64 LoRA slot of each row (``-1``: base;
+                :meth:`token_slots`), or None: no row uses an adapter.
+        """
         if len(batch.copy_src):
             self._copy_blocks(batch.copy_src, batch.copy_dst)
         if self.proposer is not None:
             self.proposer.propose(batch)
-        token_slots = None
-        if self.lora is not None:
-            token_slots = self.lora.token_slots(batch)
+        if self.model.lora is not None:
             self.model.lora.set_step(token_slots)
         if self.graphs is not None and token_slots is None and self.graphs.can_run(batch):
             return self.graphs.run(batch)
@@ -247,9 +257,10 @@ class ModelRunner:
         Returns:
             :class:`ModelRunnerOutput` with ``len(batch.sample_rows)`` rows, in that order.
         """
+        token_slots = self.token_slots(batch)
         if self.step_hook is not None:
-            self.step_hook(batch)
-        hidden = self.forward(batch)
+            self.step_hook(batch, token_slots)
+        hidden = self.forward(batch, token_slots)
         if self.speculative:    # NOTE: every step, so a seeded sample's noise is per position
             return self._verify(hidden, batch)
         prompt_logprobs = self.prompt_logprobs.compute(hidden, batch,
