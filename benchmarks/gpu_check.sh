@@ -2,14 +2,15 @@
 # The single prepared device check (CUDA machine, no network, < 9 minutes in all).
 #
 #   1. editable install against the machine's own torch / triton / Cython (no deps, no isolation)
-#   2. the kernel tests natively on CUDA (tests/kernels); GGUF and fused-MoE checks on CUDA
+#   2. the kernel tests natively on CUDA (tests/kernels); GGUF, fused-MoE and multi-LoRA
+#      checks on CUDA (LoRA: Triton shrink/expand, then an engine batch vs transformers + PEFT)
 #   3. benchmarks/kernels_quant_gemm.py  (INT4 g128 dequant-GEMM vs fp16 matmul)
 #   4. benchmarks/kernels_attention.py   (paged decode attention, batch x context grid)
 #   5. benchmarks/e2e_decode_gpu.py      (end-to-end decode, if present)
 #   6. CUDA graphs: the runtime tests marked gpu (graphs == eager tokens), then
 #      benchmarks/step_breakdown.py eager (--enforce-eager) and with graphs
 #
-# Every step runs under its own timeout (60+120+60+45+90+60+75+75 s = 9.75 min worst case;
+# Every step runs under its own timeout (60+120+60+45+40+90+60+75+75 s = 10.4 min worst case;
 # the steps usually take a fraction of it) so one hang
 # cannot eat the budget; the script carries on after a failure and exits non-zero if any step
 # failed. Logs and JSON go to benchmarks/results/
@@ -58,6 +59,10 @@ step gguf_cuda 60 $PY -m pytest tests/gguf/test_gguf_gpu.py tests/kernels/triton
 # mixture of experts on CUDA: the Triton fused-MoE grouped GEMM vs the torch reference, Qwen3-MoE /
 # Mixtral logits on it, and the engine (CUDA graphs on) giving transformers' greedy tokens
 step fused_moe_cuda 45 $PY -m pytest tests/kernels/triton/test_fused_moe.py tests/kernels/triton/test_engine_moe.py -q -x -p no:cacheprovider
+# multi-LoRA on CUDA: the Triton shrink/expand (BGMV) kernels vs the float64 definition, and one
+# engine batch of base + two adapters equal to transformers + PEFT
+step lora_cuda 40 bash -c "$PY -m pytest tests/kernels/triton/test_lora.py -q -x -p no:cacheprovider && \
+  $PY -m pytest -m gpu tests/runtime/test_lora_engine.py -q -x -p no:cacheprovider"
 step bench_quant_gemm 90 $PY benchmarks/kernels_quant_gemm.py
 step bench_attention 60 $PY benchmarks/kernels_attention.py
 if [ -f benchmarks/e2e_decode_gpu.py ]; then

@@ -187,3 +187,17 @@ def test_chat_takes_a_lora_request_too(tmp_path) -> None:
         base = llm.chat(conversation, params, use_tqdm=False)[0]
     assert chat.outputs[0].token_ids == plain.outputs[0].token_ids
     assert chat.outputs[0].token_ids != base.outputs[0].token_ids
+
+
+@pytest.mark.gpu
+def test_a_mixed_batch_on_cuda_equals_transformers_peft(tmp_path) -> None:
+    """The Triton shrink/expand kernels in the engine (CUDA graphs on for base-only steps):
+    base + two adapters in one batch give transformers + PEFT's tokens and logprobs."""
+    a, b = _adapters(DEFAULT_MODEL, tmp_path)
+    loras = [None, LoRARequest("a", 1, a), LoRARequest("b", 2, b), LoRARequest("a", 1, a)]
+    params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, logprobs=5,
+                            prompt_logprobs=5)
+    with LLM(DEFAULT_MODEL, device="cuda", enable_lora=True, max_loras=2, max_lora_rank=16,
+             dtype="float32") as llm:
+        outs = llm.generate(PROMPTS, params, use_tqdm=False, lora_request=loras)
+    check_against_peft(DEFAULT_MODEL, outs, loras)
