@@ -112,7 +112,8 @@ def bench_model(name: str, repeats: int, max_tokens: int, folder: str) -> list[d
     rows = []
     for label, values in samples.items():
         tps = statistics.median(values)
-        rows.append({"model": name, "config": label, "tok_s": round(tps, 1),
+        rows.append({"model": name, "config": label,
+                     "tok_s": round(tps, 1) if tps < 1000 else round(tps),
                      "vs_lora_off": round(tps / base, 3),
                      "samples": [round(v, 1) for v in values]})
     return rows
