@@ -351,6 +351,8 @@ class LlamaForCausalLM(nn.Module):
             return self._softcapped(self.quant_head(hidden))
         if not self.layout.sharded:
             return self._softcapped(nn.functional.linear(hidden, self._head_weight()))
+        if hidden.shape[0] == 0:    # a step that samples nothing (a prefill chunk): no command
+            return hidden.new_empty(0, self.shape.vocab_size)
         channel.send(self.layout.tp, channel.Kind.LOGITS, tuple(hidden.shape), hidden)
         logits = self._logits_part(hidden)
         assert logits is not None

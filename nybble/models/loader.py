@@ -68,6 +68,18 @@ class LoadedModel:
     linear_weight_bytes: int
 
     @property
+    def kv_free_window(self) -> int | None:
+        """The sliding window (tokens) out of which KV blocks may be freed: the largest
+        layer window when *every* attention layer has one (Mistral, Phi-3 with
+        ``sliding_window``), else None (a full-attention layer, as in Gemma 2/3's global
+        layers, still reads every position). A window that covers every position the engine
+        allows counts as none (the layers drop it)."""
+        windows = [layer.self_attn.window for layer in self.model.layers]
+        if not windows or any(w is None for w in windows):
+            return None
+        return max(windows)
+
+    @property
     def shard_shape(self) -> ModelShape:
         """The dimensions of this rank's shard: ``shape`` with this rank's query and KV
         heads (tensor parallelism; ``shape`` itself on one rank). The KV cache is sized by

@@ -57,6 +57,9 @@ class RequestLimits(msgspec.Struct, frozen=True):
         num_kv_blocks, block_size: the KV pool (blocks, tokens per block).
         speculative: speculative decoding is on (some parameters are refused with it).
         lora: the LoRA adapters it can serve, ``None`` when LoRA is off.
+        sliding_window: the window out of which the scheduler frees KV blocks (tokens), or
+            None; with it a sequence holds at most a window's blocks at a time.
+        max_num_batched_tokens: tokens per step (bounds the blocks of a windowed sequence).
     """
 
     max_model_len: int
@@ -67,6 +70,8 @@ class RequestLimits(msgspec.Struct, frozen=True):
     block_size: int
     speculative: bool = False
     lora: LoRALimits | None = None
+    sliding_window: int | None = None
+    max_num_batched_tokens: int = 0
 
 
 @dataclass
@@ -114,7 +119,8 @@ class EngineStats:
     """A snapshot of the engine's load (all counts are sequences, blocks or tokens).
 
     ``kv_cache_usage`` is the fraction of KV blocks in use (0..1; parked prefix-cache blocks
-    count as free); ``num_live_tokens`` the tokens whose K/V the sequences of the last step
+    count as free; ``num_blocks`` leaves out a sliding window's null block, which is never
+    handed out); ``num_live_tokens`` the tokens whose K/V the sequences of the last step
     still hold (the sum of their ``seq_lens``, less those that finished), for KV-waste figures:
     ``1 - num_live_tokens / (used_blocks * block_size)``. With prefix caching,
     ``num_cached_tokens_total`` counts the tokens admitted sequences found in the cache (not

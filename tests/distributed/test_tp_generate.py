@@ -104,3 +104,9 @@ def test_a_second_tp_llm_after_shutdown_works():
             outs.append(list(llm.generate(PROMPTS[0], params, use_tqdm=False)[0]
                              .outputs[0].token_ids))
     assert outs[0] == outs[1] and len(outs[0]) == 12
+
+
+@pytest.mark.slow
+def test_chunked_prefill_steps_that_sample_nothing_tp2_equal_tp1():
+    # 4 tokens per step: some steps only prefill a chunk and sample no row (no logits command)
+    _same(DEFAULT_MODEL, max_num_batched_tokens=4)

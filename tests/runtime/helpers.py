@@ -15,6 +15,7 @@ from nybble.runtime.scheduler.scheduler import Scheduler
 
 from nybble.runtime.scheduler.batch import ScheduledBatch
 from nybble.runtime.scheduler.reference_scheduler import ReferenceScheduler
+from nybble.runtime.scheduler.scheduler_input import window_blocks
 
 IMPLS = {"cython": Scheduler, "reference": ReferenceScheduler}
 
@@ -62,14 +63,23 @@ def check_state_invariants(sched: Scheduler, cfg: dict[str, Any]) -> dict[str, A
 
     A block with ref count r is held by exactly r live sequences; the free list holds exactly
     the blocks with ref count 0, once each; waiting sequences hold no blocks; running
-    sequences hold blocks for at least their computed tokens; the seq cap holds.
+    sequences hold blocks for at least their computed tokens; the seq cap holds. With a
+    sliding window, the null block (ref count 0, never free) is only the leading entries of
+    tables, and no table holds more real blocks than ``window_blocks`` (the fit rule's bound).
     """
     st = sched.debug_state()
-    ref, free = st["ref_counts"], st["free_list"]
+    ref, free, null = st["ref_counts"], st["free_list"], st["null_block"]
     holders: Counter[int] = Counter()
     for seq in st["seqs"].values():
-        holders.update(int(b) for b in seq["block_ids"])
-        assert len(set(seq["block_ids"].tolist())) == len(seq["block_ids"]), "block twice in a table"
+        ids = seq["block_ids"]
+        num_null = int(np.count_nonzero(ids == null)) if null >= 0 else 0
+        assert np.all(ids[:num_null] == null), "null block past a table's leading entries"
+        ids = ids[num_null:]
+        if cfg.get("sliding_window"):
+            assert len(ids) <= window_blocks(cfg["sliding_window"],
+                                             cfg["max_num_batched_tokens"], cfg["block_size"])
+        holders.update(int(b) for b in ids)
+        assert len(set(ids.tolist())) == len(ids), "block twice in a table"
         if seq["status"] == "waiting":
             assert len(seq["block_ids"]) == 0 and seq["num_computed"] == 0
         else:
@@ -78,7 +88,8 @@ def check_state_invariants(sched: Scheduler, cfg: dict[str, Any]) -> dict[str, A
                                                                seq["num_prompt_tokens"] + 1)
     for b in range(cfg["num_blocks"]):
         assert ref[b] == holders.get(b, 0), f"block {b}: ref {ref[b]} vs {holders.get(b, 0)} holders"
-    assert sorted(free.tolist()) == sorted(np.flatnonzero(ref == 0).tolist()), "free list drift"
+    assert sorted(free.tolist()) == sorted(b for b in np.flatnonzero(ref == 0).tolist()
+                                           if b != null), "free list drift"
     assert len(free) == sched.num_free_blocks
     assert st["running_weight"] <= cfg["max_num_seqs"]
     assert set(st["running"]) | set(st["waiting"]) == set(st["seqs"])
@@ -166,13 +177,14 @@ def run_to_completion(sched: Scheduler, cfg: dict[str, Any], sampler: Sampler,
             if f:
                 finished[i] = f
     assert not sched.has_unfinished(), "did not finish within max_steps"
-    assert sched.num_free_blocks == cfg["num_blocks"]
+    assert sched.num_free_blocks == cfg["num_blocks"] - (sched.null_block >= 0)
     assert not np.any(sched.debug_state()["ref_counts"])
     return tokens
 
 
 COUNTERS = ("num_running", "num_waiting", "num_preemptions", "num_free_blocks",
-            "num_prefix_hit_tokens", "num_prefix_query_tokens")
+            "num_prefix_hit_tokens", "num_prefix_query_tokens", "num_window_freed_blocks",
+            "null_block", "sliding_window")
 
 
 def assert_same_batch(got: ScheduledBatch, want: ScheduledBatch) -> None:

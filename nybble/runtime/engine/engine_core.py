@@ -26,7 +26,9 @@ from nybble.quant.report import summarize_report
 from nybble.runtime.scheduler.batch import ScheduledBatch
 from nybble.runtime.engine.beam_core import BeamCoordinator, add_results
 from nybble.runtime.worker.draft_proposer import DraftProposer
-from nybble.runtime.worker.kv_plan import fit_max_model_len, is_quantized_kv, plan_kv_cache
+from nybble.runtime.scheduler.scheduler_input import pool_tokens, window_blocks
+from nybble.runtime.worker.kv_plan import (fit_max_model_len, is_quantized_kv, plan_kv_cache,
+                                           scheduler_window)
 from nybble.runtime.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -109,6 +111,8 @@ class EngineCore:
                              f"{mc.max_logprobs}")
         self.kv_spec = plan_kv_cache(config.cache_config, self.loaded.shard_shape,
                                      self.loaded.dtype, self.device, self.loaded.max_model_len)
+        # blocks out of a sliding window are freed (None: every block kept)
+        self.kv_window = scheduler_window(self.loaded, config)
         self._fit_max_model_len(mc.max_model_len is not None)
         if is_quantized_kv(self.kv_spec.dtype):
             from nybble.runtime.worker.kv_calibration import calibrate_kv_scales
@@ -143,7 +147,8 @@ class EngineCore:
                                    num_lookahead_slots=0 if spec is None
                                    else spec.num_speculative_tokens,
                                    ngram_min=spec.lookup_min if ngram else 0,
-                                   ngram_max=spec.lookup_max if ngram else 0)
+                                   ngram_max=spec.lookup_max if ngram else 0,
+                                   sliding_window=self.kv_window)
         self.spec_stats = SpecDecodeStats.empty(0 if spec is None
                                                 else spec.num_speculative_tokens)
         self._requests: dict[str, _CoreRequest] = {}
@@ -163,7 +168,9 @@ class EngineCore:
         does not fit (one start-up line says so); a user-set one that does not fit raises
         (:func:`~nybble.runtime.worker.kv_plan.fit_max_model_len`)."""
         spec, wanted = self.kv_spec, self.loaded.max_model_len
-        fitted = fit_max_model_len(spec.num_blocks * spec.block_size, wanted, user_set)
+        pool = pool_tokens(spec.num_blocks, spec.block_size, self.kv_window,
+                           self.config.scheduler_config.max_num_batched_tokens)
+        fitted = fit_max_model_len(pool, wanted, user_set)
         if fitted < wanted:
             logger.warning("max_model_len lowered from %d (the model's context) to %d: the KV "
                            "cache holds %d tokens (%d blocks x %d); raise --kv-cache-memory / "
@@ -208,6 +215,13 @@ class EngineCore:
                     spec.block_size, spec.bytes_per_block,
                     spec.total_bytes / 2**20, self.max_model_len,
                     "on" if self.config.cache_config.enable_prefix_caching else "off")
+        if self.kv_window is not None:
+            logger.info("sliding window %d tokens on every layer: KV blocks out of it are "
+                        "freed as a sequence grows (one block is the null block), so a "
+                        "sequence holds at most %d blocks at a time", self.kv_window,
+                        window_blocks(self.kv_window,
+                                      self.config.scheduler_config.max_num_batched_tokens,
+                                      spec.block_size))
         report = summarize_report(mc.model)
         if report is not None:  # the quality report `nybble quantize` wrote beside the weights
             logger.info("quantization report: %s", report)
@@ -230,6 +244,8 @@ class EngineCore:
             max_logprobs=self.config.model_config.max_logprobs,
             num_kv_blocks=self.kv_spec.num_blocks, block_size=self.kv_spec.block_size,
             speculative=self.config.speculative_config is not None,
+            sliding_window=self.kv_window,
+            max_num_batched_tokens=self.config.scheduler_config.max_num_batched_tokens,
             lora=None if self.lora is None else LoRALimits(
                 self.config.lora_config.max_loras, self.config.lora_config.max_lora_rank,
                 self.lora.manager.targets.num_layers, self.lora.manager.targets.shapes))
@@ -549,12 +565,13 @@ class EngineCore:
     def get_stats(self) -> EngineStats:
         """Current load; see :class:`EngineStats`."""
         s = self.scheduler
-        used = s.num_blocks - s.num_free_blocks
+        usable = s.num_blocks - (s.null_block >= 0)     # a sliding window's null block: never
+        used = usable - s.num_free_blocks
         # NOTE: LoRA requests waiting for a device slot wait too (not yet in the scheduler)
         held = 0 if self.lora is None else len(self.lora.waiting)
         return EngineStats(num_running=s.num_running, num_waiting=s.num_waiting + held,
-                           num_free_blocks=s.num_free_blocks, num_blocks=s.num_blocks,
-                           kv_cache_usage=used / s.num_blocks, num_preemptions=s.num_preemptions,
+                           num_free_blocks=s.num_free_blocks, num_blocks=usable,
+                           kv_cache_usage=used / usable, num_preemptions=s.num_preemptions,
                            peak_num_seqs_in_step=self._peak_seqs, num_steps=self._num_steps,
                            num_live_tokens=self._live_tokens, block_size=s.block_size,
                            num_cached_tokens_total=s.num_prefix_hit_tokens,

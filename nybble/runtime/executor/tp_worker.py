@@ -27,7 +27,9 @@ from nybble.lora_files import read_adapter
 from nybble.models.lora import load_adapter_weights
 from nybble.models.loader import LoadedModel, load_model
 from nybble.oslimits import die_with_parent
-from nybble.runtime.worker.kv_plan import KVCacheSpec, fit_max_model_len, kv_storage_dtype
+from nybble.runtime.scheduler.scheduler_input import pool_tokens
+from nybble.runtime.worker.kv_plan import (KVCacheSpec, fit_max_model_len, kv_storage_dtype,
+                                           scheduler_window)
 from nybble.runtime.worker.model_runner import ModelRunner
 from nybble.runtime.executor.step_payload import unpack_step
 
@@ -95,7 +97,9 @@ class TPWorker:
                            kv_storage_dtype(cc.kv_cache_dtype, self.loaded.dtype),
                            cc.block_size, num_blocks)
         # NOTE: rank 0's rule on the same numbers, so the block tables have one width
-        fitted = fit_max_model_len(num_blocks * cc.block_size, self.loaded.max_model_len,
+        pool = pool_tokens(num_blocks, cc.block_size, scheduler_window(self.loaded, self.config),
+                           self.config.scheduler_config.max_num_batched_tokens)
+        fitted = fit_max_model_len(pool, self.loaded.max_model_len,
                                    self.config.model_config.max_model_len is not None)
         self.loaded = dataclasses.replace(self.loaded, max_model_len=fitted)
         self.runner = ModelRunner(self.loaded, spec, self.tp.device, self.config)

@@ -313,4 +313,5 @@ class InputProcessor:
         lim = self.limits
         check_kv_fit(num_prompt, max_tokens, lim.max_model_len, lim.block_size,
                      lim.num_kv_blocks, num_sequences=n if all_at_once else 1,
-                     max_tokens_name=names.max_tokens)
+                     max_tokens_name=names.max_tokens, sliding_window=lim.sliding_window,
+                     max_num_batched_tokens=lim.max_num_batched_tokens)

@@ -8,6 +8,8 @@ Public C surface for the scheduler (vtable calls, no Python dispatch, GIL releas
 * ``get_computed_blocks``: on admission, the longest chain of cached full blocks, referenced;
 * ``free_blocks`` / ``fork_blocks``: release or share a whole block table; ``free_tail``:
   release its blocks past the first ``keep`` (rejected speculative tokens);
+  ``remove_skipped_blocks`` (vLLM's name): release the leading blocks that fell out of every
+  sliding window, their entries becoming the reserved ``null_block``;
 * ``get_num_free_blocks``; the readonly fields below (also Python attributes).
 
 ``c_x`` is the C twin of the Python method ``x`` (tests use the Python face). Every field with
@@ -37,7 +39,11 @@ cdef class BlockAllocator:
     # enable_prefix_caching  bint         prefix caching on (then prefix_cache is set)
     # prefix_cache           PrefixCache  hashes of cached blocks + LRU of parked ones, or None
     # err_block              int32        block id named by the last error code (for messages)
+    # null_block             int32        reserved block that stands for the freed leading
+    #                                       entries of a table (sliding windows): block 0, never
+    #                                       allocated, owned or written; -1 when none is reserved
     cdef readonly int32_t num_blocks
+    cdef readonly int32_t null_block
     cdef readonly int32_t block_size
     cdef readonly bint enable_prefix_caching
     cdef readonly PrefixCache prefix_cache
@@ -50,6 +56,8 @@ cdef class BlockAllocator:
     # NOTE: the invariant. ref count r > 0 <=> listed in exactly r owners' tables; ref count 0
     # <=> exactly one of: on the free stack (uncached), or parked on the prefix cache's LRU list
     # (cached: hash and KV kept). Free blocks = _num_free + prefix_cache.num_evictable_blocks.
+    # The null block (when reserved) is the exception: ref count 0, in no free list, and listed
+    # any number of times (uncounted) as the leading entries of windowed tables.
     cdef int32_t* _ref_counts
     cdef int32_t* _free_stack
     cdef int32_t _num_free
@@ -62,6 +70,8 @@ cdef class BlockAllocator:
     cdef int32_t get_num_free_blocks(self) noexcept nogil
     cdef int free_blocks(self, int32_t* table, int32_t* num_blocks) noexcept nogil
     cdef int free_tail(self, int32_t* table, int32_t* num_blocks, int32_t keep) noexcept nogil
+    cdef int remove_skipped_blocks(self, int32_t* table, int32_t num_blocks,
+                                   int32_t num_skipped) noexcept nogil
     cdef int fork_blocks(self, const int32_t* src, int32_t* dst, int32_t num_blocks) noexcept nogil
     cdef int32_t get_computed_blocks(self, const int32_t* tokens, int32_t max_blocks,
                                      int32_t* table, int32_t* num_blocks,

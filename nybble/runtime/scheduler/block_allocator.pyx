@@ -16,6 +16,13 @@ block with ref count r > 0 is listed in exactly r owners' block tables; a block 
 0 is either on the free stack (uncached) or parked on the :class:`PrefixCache` LRU list
 (cached), never both; an allocation may take either kind (``num_free_blocks`` counts both).
 
+Sliding windows (vLLM's ``SlidingWindowManager``): with ``reserve_null_block`` block 0 is
+taken out of the pool for good (the *null block*: never allocated, owned, cached or written,
+ref count 0, in no free list) and ``remove_skipped_blocks`` frees the leading blocks of a
+table that fell out of every window, pointing their entries at it, so a kernel that reads a
+masked-out block still reads a valid (zero) block. Table-level frees and forks skip null
+entries.
+
 Corruption (double free, incref of a free block, an id outside the pool) is never a return
 value for Python callers: it raises :class:`RuntimeError` naming the block and saying it is a
 bug. No torch is imported here.
@@ -49,15 +56,20 @@ cdef class BlockAllocator:
         num_blocks: blocks in the pool (>= 1).
         block_size: tokens per block (>= 1).
         enable_prefix_caching: keep freed full blocks findable by content (a PrefixCache).
+        reserve_null_block: take block 0 out of the pool as the null block (sliding-window
+            freeing, see the module docstring); the pool then hands out ``num_blocks - 1``.
 
     Raises:
-        ValueError: a size is below 1.
+        ValueError: a size is below 1 (below 2 with ``reserve_null_block``).
         MemoryError: the C arrays could not be allocated.
     """
 
-    def __cinit__(self, int num_blocks, int block_size, bint enable_prefix_caching=False):
-        if num_blocks < 1:
-            raise ValueError(f"`num_blocks` must be >= 1, got {num_blocks}")
+    def __cinit__(self, int num_blocks, int block_size, bint enable_prefix_caching=False,
+                  bint reserve_null_block=False):
+        if num_blocks < 1 + reserve_null_block:
+            raise ValueError(f"`num_blocks` must be >= {1 + reserve_null_block}"
+                             f"{' (one is the null block)' if reserve_null_block else ''}, "
+                             f"got {num_blocks}")
         if block_size < 1:
             raise ValueError(f"`block_size` must be >= 1, got {block_size}")
         self.num_blocks = num_blocks
@@ -72,6 +84,10 @@ cdef class BlockAllocator:
             # Block 0 on top, so a fresh pool hands out 0, 1, 2, ... (readable in tests/logs).
             self._free_stack[i] = num_blocks - 1 - i
         self._num_free = num_blocks
+        self.null_block = -1
+        if reserve_null_block:      # block 0 (the top of the stack) never comes out of it
+            self._num_free -= 1
+            self.null_block = 0
         self.enable_prefix_caching = enable_prefix_caching
         self.prefix_cache = PrefixCache(num_blocks, block_size) if enable_prefix_caching else None
 
@@ -164,24 +180,49 @@ cdef class BlockAllocator:
         """Free the entries of a block table past its first ``keep``, last first (speculative
         decoding: blocks only rejected drafts used); as :meth:`free_blocks` otherwise."""
         cdef int rc
+        cdef int32_t block
         while num_blocks[0] > keep:
-            rc = self.c_free(table[num_blocks[0] - 1])
-            if rc != ALLOC_OK:
-                return rc
+            block = table[num_blocks[0] - 1]
+            if block != self.null_block:
+                rc = self.c_free(block)
+                if rc != ALLOC_OK:
+                    return rc
             table[num_blocks[0] - 1] = -1
             num_blocks[0] -= 1
         return ALLOC_OK
 
     cdef int fork_blocks(self, const int32_t* src, int32_t* dst, int32_t num_blocks) noexcept nogil:
-        """Copy ``num_blocks`` entries of ``src`` into ``dst``, adding one reference to each."""
+        """Copy ``num_blocks`` entries of ``src`` into ``dst``, adding one reference to each
+        (null entries are copied, no reference taken)."""
         cdef int32_t k
         cdef int rc
         for k in range(num_blocks):
-            rc = self.c_incref(src[k])
-            if rc != ALLOC_OK:
-                return rc
+            if src[k] != self.null_block:
+                rc = self.c_incref(src[k])
+                if rc != ALLOC_OK:
+                    return rc
             dst[k] = src[k]
         return ALLOC_OK
+
+    cdef int remove_skipped_blocks(self, int32_t* table, int32_t num_blocks,
+                                   int32_t num_skipped) noexcept nogil:
+        """Sliding windows (vLLM's ``SlidingWindowManager.remove_skipped_blocks``): drop this
+        table's reference to each of its first ``num_skipped`` blocks (capped at
+        ``num_blocks``, the valid entries) that is not yet the null block, last first, and
+        point those entries at the null block. Freed entries are a prefix of the table, so the
+        walk stops at the first null entry met. A block shared with another table (fork,
+        prefix hit) stays alive for it; a cached one is parked (still findable). Returns the
+        blocks released (>= 0) or an error code (< 0)."""
+        cdef int32_t k = min(num_skipped, num_blocks) - 1, released = 0
+        cdef int rc
+        while k >= 0 and table[k] != self.null_block:
+            rc = self.c_free(table[k])
+            if rc != ALLOC_OK:
+                return rc
+            table[k] = self.null_block
+            released += 1
+            k -= 1
+        return released
 
     cdef int32_t get_computed_blocks(self, const int32_t* tokens, int32_t max_blocks,
                                      int32_t* table, int32_t* num_blocks,
@@ -324,11 +365,13 @@ cdef class BlockAllocator:
         """Copies of the C state for tests: ``ref_counts`` int32[num_blocks], ``free_list``
         int32[num_free_blocks] (every block with ref count 0: parked cached blocks most
         recently used first, then the free stack from the bottom; the next allocation is the
-        last) and ``evictable`` (parked cached blocks, least recently used first)."""
+        last), ``evictable`` (parked cached blocks, least recently used first) and
+        ``null_block`` (-1: none reserved)."""
         ref_counts = np.array([self._ref_counts[i] for i in range(self.num_blocks)], np.int32)
         evictable = (self.prefix_cache.debug_state()["evictable"]
                      if self.enable_prefix_caching else [])
         stack = [self._free_stack[i] for i in range(self._num_free)]
         return {"ref_counts": ref_counts, "evictable": evictable,
                 "free_list": np.array(evictable[::-1] + stack, dtype=np.int32),
-                "num_blocks": self.num_blocks, "block_size": self.block_size}
+                "num_blocks": self.num_blocks, "block_size": self.block_size,
+                "null_block": self.null_block}

@@ -9,6 +9,10 @@ used parked block), so that a scheduler built on it hands out identical block ta
 * a cached block is named by the whole token prefix it ends (the tuple the Cython core's
   chained 64-bit hash stands for), so a hit means "same prefix", with no hashing here.
 
+* sliding windows (vLLM's sliding-window KV manager): with ``reserve_null_block`` block 0 is
+  the null block, never handed out, owned (ref count 0) or freed; ``remove_skipped_blocks``
+  releases a table's leading blocks out of every window and points them at it.
+
 Capacity is a return value (``None`` / ``False``); a bookkeeping bug raises RuntimeError.
 No torch is imported here.
 """
@@ -85,13 +89,16 @@ class ReferenceBlockAllocator:
         num_blocks: blocks in the pool.
         block_size: tokens per block.
         enable_prefix_caching: park freed cached blocks instead of stacking them.
+        reserve_null_block: block 0 is the null block (sliding windows), out of the pool.
     """
 
-    def __init__(self, num_blocks: int, block_size: int,
-                 enable_prefix_caching: bool = False) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
+                 reserve_null_block: bool = False) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.ref_counts = [0] * num_blocks
-        self.free_stack = list(range(num_blocks - 1, -1, -1))    # top = end: block 0 first
+        self.null_block = 0 if reserve_null_block else -1
+        # top = end: the lowest block first (block 0, or 1 when 0 is the null block)
+        self.free_stack = list(range(num_blocks - 1, 0 if reserve_null_block else -1, -1))
         self.prefix_cache = ReferencePrefixCache(block_size) if enable_prefix_caching else None
 
     @property
@@ -129,9 +136,28 @@ class ReferenceBlockAllocator:
         self.ref_counts[block] += 1
 
     def free_blocks(self, table: list[int]) -> None:
-        """Free a whole block table, last block first, and empty it."""
+        """Free a whole block table, last block first (null entries skipped), and empty it."""
         while table:
-            self.free(table.pop())
+            block = table.pop()
+            if block != self.null_block:
+                self.free(block)
+
+    def fork(self, table: list[int]) -> None:
+        """One more owner of every block of ``table`` (null entries skipped)."""
+        for block in table:
+            if block != self.null_block:
+                self.incref(block)
+
+    def remove_skipped_blocks(self, table: list[int], num_skipped: int) -> int:
+        """Release the first ``num_skipped`` entries of ``table`` that are not yet the null
+        block, last first, and point them at it (vLLM's
+        ``SlidingWindowManager.remove_skipped_blocks``); the blocks released."""
+        released, k = 0, min(num_skipped, len(table)) - 1
+        while k >= 0 and table[k] != self.null_block:
+            self.free(table[k])
+            table[k] = self.null_block
+            released, k = released + 1, k - 1
+        return released
 
     def allocate_slots(self, table: list[int], num_computed: int,
                        num_new: int) -> tuple[bool, tuple[int, int] | None]:
@@ -158,8 +184,10 @@ class ReferenceBlockAllocator:
 
     def debug_state(self) -> dict:
         """The Cython allocator's debug_state(): ``ref_counts``, ``evictable`` (LRU first),
-        ``free_list`` (parked most recent first, then the stack bottom to top)."""
+        ``free_list`` (parked most recent first, then the stack bottom to top),
+        ``null_block``."""
         evictable = list(self.prefix_cache.parked) if self.prefix_cache else []
         return {"ref_counts": np.array(self.ref_counts, dtype=np.int32), "evictable": evictable,
                 "free_list": np.array(evictable[::-1] + self.free_stack, dtype=np.int32),
-                "num_blocks": self.num_blocks, "block_size": self.block_size}
+                "num_blocks": self.num_blocks, "block_size": self.block_size,
+                "null_block": self.null_block}

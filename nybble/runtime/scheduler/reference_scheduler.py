@@ -14,8 +14,11 @@ and a sequence cap (an unforked parallel-sampling group counts ``num_samples``):
 
 A sequence is sampled iff the step completes its tokens. ``update`` forks groups (siblings
 share the blocks; copy-on-write later), advances, caches newly full blocks, appends tokens and
-frees finished sequences in the same step. Same API, same ScheduledBatch arrays, same block
-ids and same counters as :class:`~nybble.runtime.scheduler.scheduler.Scheduler`; slow, no torch.
+frees finished sequences in the same step. With a ``sliding_window`` W (every layer windowed),
+before a sequence's blocks are drawn its leading ``(num_computed - W + 1) // block_size``
+blocks are released and become the null block 0 (vLLM's sliding-window KV manager). Same API,
+same ScheduledBatch arrays, same block ids and same counters as
+:class:`~nybble.runtime.scheduler.scheduler.Scheduler`; slow, no torch.
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ import numpy as np
 
 from nybble.runtime.scheduler.batch import ScheduledBatch
 from nybble.runtime.scheduler.reference_allocator import ReferenceBlockAllocator, prefix_key
-from nybble.runtime.scheduler.scheduler_input import check_add, check_sizes
+from nybble.runtime.scheduler.scheduler_input import check_add, check_sizes, check_window
 from nybble.runtime.scheduler.sequence import FinishReason
 
 
@@ -54,18 +57,24 @@ class ReferenceScheduler:
 
     def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int,
-                 enable_chunked_prefill: bool = True, enable_prefix_caching: bool = False):
+                 enable_chunked_prefill: bool = True, enable_prefix_caching: bool = False,
+                 sliding_window: int | None = None):
         check_sizes(num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
                     max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens)
+        window = check_window(sliding_window)
+        self.sliding_window = window or None
         self.num_blocks, self.block_size, self.max_num_seqs = num_blocks, block_size, max_num_seqs
         self.max_num_batched_tokens, self.max_model_len = max_num_batched_tokens, max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
-        self.allocator = ReferenceBlockAllocator(num_blocks, block_size, enable_prefix_caching)
+        self.allocator = ReferenceBlockAllocator(num_blocks, block_size, enable_prefix_caching,
+                                                 reserve_null_block=window > 0)
+        self.null_block = self.allocator.null_block
         self.prefix_cache = self.allocator.prefix_cache
         self.seqs: dict[int, ReferenceSequence] = {}
         self.running: list[ReferenceSequence] = []   # admission order, oldest first
         self.waiting: list[ReferenceSequence] = []   # FCFS; preempted go to the front
         self.num_preemptions = self.num_prefix_hit_tokens = self.num_prefix_query_tokens = 0
+        self.num_window_freed_blocks = 0
         self._inflight: ScheduledBatch | None = None
         self._rows: list[ReferenceSequence] = []
         self._samples: list[tuple[ReferenceSequence, int]] = []   # (parent, fork index i)
@@ -140,6 +149,10 @@ class ReferenceScheduler:
         return self._inflight
 
     def _allocate(self, seq: ReferenceSequence, n: int, copies: list) -> bool:
+        if self.sliding_window:     # the step's earliest query reads no key below `first`
+            first = seq.num_computed - self.sliding_window + 1
+            self.num_window_freed_blocks += self.allocator.remove_skipped_blocks(
+                seq.blocks, max(first, 0) // self.block_size)
         ok, copy = self.allocator.allocate_slots(seq.blocks, seq.num_computed, n)
         if copy is not None:
             copies.append(copy)
@@ -310,8 +323,7 @@ class ReferenceScheduler:
             parent.max_tokens, parent.stop_token_ids, 1, "running",
             parent.num_computed + parent.num_scheduled, 0, parent.num_hashed, list(parent.blocks),
             parent.skip_cache, parent.cache_salt)
-        for block in child.blocks:
-            self.allocator.incref(block)
+        self.allocator.fork(child.blocks)
         self.seqs[child.seq_id] = child
         self.running.append(child)
         return child

@@ -35,6 +35,9 @@ cdef class Scheduler:
     # num_lookahead_slots      int32        speculative decoding: draft tokens k a decoding
     #                                       sequence may be given per step (0: off); vLLM's name
     # ngram_min / ngram_max    int32        n-gram proposals made here when ngram_max > 0
+    # _window                  int32        sliding window W whose out-of-window blocks are
+    #                                       freed (tokens; 0: off); Python: ``sliding_window``
+    cdef int32_t _window
     cdef readonly int32_t num_lookahead_slots
     cdef readonly int32_t ngram_min
     cdef readonly int32_t ngram_max
@@ -46,6 +49,9 @@ cdef class Scheduler:
     cdef readonly int64_t num_preemptions
     cdef readonly int64_t num_prefix_hit_tokens
     cdef readonly int64_t num_prefix_query_tokens
+    # num_window_freed_blocks  int64        block references dropped because the blocks fell
+    #                                       out of the sliding window
+    cdef readonly int64_t num_window_freed_blocks
 
     # ---- private ------------------------------------------------------------------------------
     # _seqs       SequenceTable   the sequences and their waiting / running queues

@@ -38,8 +38,23 @@ token (the batch builder copies them into ``input_ids``; a draft model's runner 
 them). :meth:`Scheduler.update_spec` then appends the 1..m+1 tokens the verification emitted
 and frees the blocks that only rejected drafts used.
 
+Sliding windows (vLLM's sliding-window KV manager, ``sliding_window`` W: given only when
+*every* attention layer has a window, W the largest): a layer with window W lets the query at
+position i see keys ``i - W < j <= i``, so a step whose earliest query sits at
+``q0 = num_computed`` reads no key below ``q0 - W + 1``, and neither does any later step.
+Before a sequence's blocks are drawn (``_allocate``), its leading ``(q0 - W + 1) //
+block_size`` blocks -- every position in them below ``q0 - W + 1`` -- are released
+(``BlockAllocator.remove_skipped_blocks``: a block shared by a fork or a prefix hit stays
+alive for the others, a cached one stays cached and evictable) and their entries point at the
+reserved null block 0, which the kernels may read (masked out) but nobody writes. The prefix
+cache hits as before: a hit takes a chain of blocks still cached from block 0 on, and the
+ones already out of the window are released at once. A sequence then holds at most
+``ceil((W - 1 + max_num_batched_tokens) / block_size) + 1`` blocks (scheduler_input's
+``window_blocks``), which the fit rule below counts instead of its whole length.
+
 A request whose ``min(prompt + max_tokens, max_model_len)`` tokens need more blocks than the
-pool holds is rejected in :meth:`Scheduler.add` (KVCacheExhaustedError), so the oldest running
+pool holds (with a window: more than the window's blocks, the null block not counted) is
+rejected in :meth:`Scheduler.add` (KVCacheExhaustedError), so the oldest running
 sequence always fits alone and the scheduler never deadlocks. Contract: every non-empty batch
 from :meth:`schedule` is passed to :meth:`update` (or, when its step failed, to
 :meth:`abort_batch`) before the next :meth:`schedule`.
@@ -51,7 +66,7 @@ from libc.stdint cimport int32_t, int64_t, uint64_t
 import numpy as np
 
 from nybble.runtime.scheduler.batch import ScheduledBatch
-from nybble.runtime.scheduler.scheduler_input import check_add, check_sizes
+from nybble.runtime.scheduler.scheduler_input import check_add, check_sizes, check_window
 
 from nybble.runtime.scheduler.block_allocator cimport ALLOC_NO_SPACE, raise_alloc_error
 from nybble.runtime.scheduler.ngram cimport ngram_propose
@@ -83,17 +98,23 @@ cdef class Scheduler:
             step (0: off).
         ngram_min, ngram_max: propose the drafts by n-gram lookup of ``ngram_min ..
             ngram_max`` tokens (0: the runner's draft model fills them).
+        sliding_window: free blocks out of this window (tokens; the model's largest, given
+            only when every attention layer has one; see the module docstring), or None.
+            Block 0 is then the null block and the pool hands out ``num_blocks - 1``.
 
     Raises:
-        ValueError: a size is below 1, or bad lookahead / n-gram sizes.
+        ValueError: a size is below 1, bad lookahead / n-gram sizes, a window below 1, or
+            ``num_blocks`` < 2 with a window.
     """
 
     def __init__(self, int num_blocks, int block_size, int max_num_seqs,
                  int max_num_batched_tokens, int max_model_len,
                  bint enable_chunked_prefill=True, bint enable_prefix_caching=False,
-                 int num_lookahead_slots=0, int ngram_min=0, int ngram_max=0):
+                 int num_lookahead_slots=0, int ngram_min=0, int ngram_max=0,
+                 sliding_window=None):
         check_sizes(num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
                     max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens)
+        self._window = check_window(sliding_window)
         if num_lookahead_slots < 0 or (ngram_max > 0 and not 1 <= ngram_min <= ngram_max):
             raise ValueError(f"num_lookahead_slots must be >= 0 and, with n-gram proposals, "
                              f"1 <= ngram_min <= ngram_max, got {num_lookahead_slots}, "
@@ -103,7 +124,8 @@ cdef class Scheduler:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.max_model_len, self.enable_chunked_prefill = max_model_len, enable_chunked_prefill
-        self._allocator = BlockAllocator(num_blocks, block_size, enable_prefix_caching)
+        self._allocator = BlockAllocator(num_blocks, block_size, enable_prefix_caching,
+                                         self._window > 0)
         self.prefix_cache = self._allocator.prefix_cache
         cdef int32_t max_blocks_per_seq = cdiv(max_model_len, block_size)
         self._seqs = SequenceTable(self._allocator, max_model_len, max_blocks_per_seq)
@@ -116,10 +138,18 @@ cdef class Scheduler:
         """Cover ``num_new`` tokens of ``slot`` with blocks (recording a copy-on-write pair).
         Returns SCHEDULED, NO_SPACE (nothing changed) or an error code."""
         cdef SeqState* s = &self._seqs.st.seqs[slot]
-        cdef int32_t src, dst
-        cdef int rc = self._allocator.allocate_slots(block_table_row(&self._seqs.st, slot),
-                                                     &s.num_blocks, s.num_computed, num_new,
-                                                     &src, &dst)
+        cdef int32_t* table = block_table_row(&self._seqs.st, slot)
+        cdef int32_t src, dst, first = s.num_computed - self._window + 1
+        cdef int rc
+        if self._window > 0 and first >= self.block_size:
+            # the step's earliest query (num_computed) reads no key below `first`
+            rc = self._allocator.remove_skipped_blocks(table, s.num_blocks,
+                                                       first // self.block_size)
+            if rc < 0:
+                return rc
+            self.num_window_freed_blocks += rc
+        rc = self._allocator.allocate_slots(table, &s.num_blocks, s.num_computed, num_new,
+                                            &src, &dst)
         if rc == ALLOC_NO_SPACE:
             return NO_SPACE
         if rc == 0 and src >= 0:
@@ -427,11 +457,23 @@ cdef class Scheduler:
 
     @property
     def num_free_blocks(self) -> int:
-        """Free KV blocks in the pool (parked prefix-cache blocks count as free)."""
+        """Free KV blocks in the pool (parked prefix-cache blocks count as free; the null
+        block does not)."""
         return self._allocator.get_num_free_blocks()
 
+    @property
+    def sliding_window(self):
+        """The window whose out-of-window blocks are freed (tokens), or None."""
+        return self._window if self._window > 0 else None
+
+    @property
+    def null_block(self) -> int:
+        """The reserved null block (0) with a sliding window, else -1."""
+        return self._allocator.null_block
+
     def seq_block_ids(self, int64_t seq_id):
-        """Copy of the block table of ``seq_id`` (int32[num_blocks]).
+        """Copy of the block table of ``seq_id`` (int32[num_blocks]; entries freed by the
+        sliding window are the null block).
 
         Raises:
             KeyError: ``seq_id`` is not waiting or running.
@@ -439,7 +481,7 @@ cdef class Scheduler:
         return self._seqs.block_ids(seq_id)
 
     def debug_state(self) -> dict:
-        """Copies for tests: the allocator's (``ref_counts``, ``free_list``, ``evictable``)
-        and the sequence table's (``seqs``: seq_id -> status, token counts, ``block_ids``,
-        ``token_ids``; ``running`` and ``waiting`` seq ids in queue order; ``running_weight``)."""
+        """Copies for tests: the allocator's (``ref_counts``, ``free_list``, ``evictable``,
+        ``null_block``) and the sequence table's (``seqs``: seq_id -> status, token counts,
+        ``block_ids``, ``token_ids``; ``running`` and ``waiting`` seq ids in queue order; ``running_weight``)."""
         return {**self._allocator.debug_state(), **self._seqs.debug_state()}

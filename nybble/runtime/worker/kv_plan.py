@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from nybble.config import KV_CACHE_DTYPES, CacheConfig
 
@@ -134,8 +134,20 @@ def default_cpu_kv_budget(layout: KVLayout, max_model_len: int, physical_bytes: 
     return max(DEFAULT_CPU_KV_BYTES, min(one_sequence, cap))
 
 
-def fit_max_model_len(pool_tokens: int, max_model_len: int, user_set: bool) -> int:
-    """The ``max_model_len`` the engine serves with a KV pool of ``pool_tokens`` slots.
+def scheduler_window(loaded: Any, config: Any) -> int | None:
+    """The sliding window (tokens) out of which the scheduler frees KV blocks: the model's
+    :attr:`~nybble.models.loader.LoadedModel.kv_free_window` (every layer windowed), but None
+    with speculative decoding, whose draft model reads the target's block tables with its own
+    (full) attention."""
+    if config.speculative_config is not None:
+        return None
+    return loaded.kv_free_window
+
+
+def fit_max_model_len(pool_tokens: int | None, max_model_len: int, user_set: bool) -> int:
+    """The ``max_model_len`` the engine serves with a KV pool of ``pool_tokens`` slots
+    (``None``: any length, a sliding window's blocks being freed as a sequence grows; see
+    :func:`~nybble.runtime.scheduler.scheduler_input.pool_tokens`).
 
     A length the user did not set (the model's own limit) is lowered to the pool's tokens, so
     a request without ``max_tokens`` (the rest of the context) is never refused for a limit the
@@ -145,7 +157,7 @@ def fit_max_model_len(pool_tokens: int, max_model_len: int, user_set: bool) -> i
         ValueError: ``user_set`` and one sequence of ``max_model_len`` tokens needs more than
             the pool's ``pool_tokens`` slots (the message names both and the flags to change).
     """
-    if pool_tokens >= max_model_len:
+    if pool_tokens is None or pool_tokens >= max_model_len:
         return max_model_len
     if user_set:
         raise ValueError(f"max_model_len must fit in the KV cache: {max_model_len} tokens were "

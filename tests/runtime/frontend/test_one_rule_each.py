@@ -13,7 +13,7 @@ from nybble.runtime.frontend.input_processor import InputProcessor, ParamNames, 
 from nybble.runtime.frontend.shaping_checks import check_min_tokens
 from nybble.runtime.scheduler.reference_scheduler import ReferenceScheduler
 from nybble.runtime.scheduler.scheduler import Scheduler
-from nybble.runtime.scheduler.scheduler_input import check_kv_fit
+from nybble.runtime.scheduler.scheduler_input import check_kv_fit, pool_tokens, window_blocks
 from nybble.tokenizer.tokenizer import Tokenizer
 
 CHAT = ParamNames(prompt="messages", max_tokens="max_completion_tokens", logprobs="top_logprobs")
@@ -38,6 +38,50 @@ def test_kv_fit_boundary_and_message() -> None:
     assert check_kv_fit(4, 4, 64, 4, 4, num_sequences=2) == 8
     with pytest.raises(KVCacheExhaustedError, match=r"^the request needs 6 KV blocks \(3 beams x"):
         check_kv_fit(4, 4, 64, 4, 4, num_sequences=3)
+
+
+def test_kv_fit_with_a_sliding_window() -> None:
+    # window 8, 8 tokens per step, 4 per block: a step reads positions q0 - 7 .. q0 + 7, 15
+    # positions over at most ceil(15 / 4) + 1 = 5 blocks, however long the sequence grows
+    assert window_blocks(8, 8, 4) == 5
+    assert window_blocks(1, 1, 1) == 2 and window_blocks(4, 1, 4) == 2
+    # any length once 5 blocks fit beside the null block; else what the other blocks hold
+    assert pool_tokens(6, 4, 8, 8) is None and pool_tokens(5, 4, 8, 8) == 16
+    assert pool_tokens(6, 4) == 24
+    assert check_kv_fit(30, 1000, 4096, 4, 6, sliding_window=8, max_num_batched_tokens=8) == 1030
+    # shorter than the window's blocks: its own blocks, out of the pool less the null block
+    assert check_kv_fit(10, 10, 4096, 4, 6, sliding_window=8, max_num_batched_tokens=8) == 20
+    with pytest.raises(KVCacheExhaustedError) as e:
+        check_kv_fit(30, 1000, 4096, 4, 5, sliding_window=8, max_num_batched_tokens=8)
+    assert str(e.value) == (
+        "the request needs 5 KV blocks (min(prompt 30 + max_tokens 1000, max_model_len 4096) "
+        "= 1030 tokens at 4 per block for a sliding window of 8 tokens: ceil((window - 1 + "
+        "max_num_batched_tokens 8) / 4) + 1 = 5 blocks at a time (one more is the null block "
+        "of sliding windows)), but the KV cache holds only 4 blocks")
+    with pytest.raises(KVCacheExhaustedError, match=r"needs 5 KV blocks .* 20 tokens at 4 per "
+                       r"block \(one more is the null block .* holds only 4 blocks"):
+        check_kv_fit(10, 10, 4096, 4, 5, sliding_window=8, max_num_batched_tokens=8)
+
+
+@pytest.mark.parametrize("impl", [Scheduler, ReferenceScheduler])
+def test_gate_and_scheduler_agree_with_a_sliding_window(tok: Tokenizer, impl: type) -> None:
+    """The window's bound, not the sequence's length: a 1,030-token request fits 6 blocks of
+    4 tokens; 5 blocks do not hold the window's 5 beside the null block."""
+    prompt = np.arange(3, 33, dtype=np.int32)
+    for blocks, fits in ((6, True), (5, False)):
+        gate = InputProcessor(tok, RequestLimits(4096, 512, 8, 20, blocks, 4, sliding_window=8,
+                                                 max_num_batched_tokens=8), (2,))
+        sched = impl(blocks, 4, 8, 8, 4096, sliding_window=8)
+        if fits:
+            gate.process("ok", prompt.tolist(), SamplingParams(max_tokens=1000))
+            sched.add(0, prompt, 1000)
+            continue
+        with pytest.raises(KVCacheExhaustedError) as at_gate:
+            gate.process("no", prompt.tolist(), SamplingParams(max_tokens=1000))
+        with pytest.raises(KVCacheExhaustedError) as at_scheduler:
+            sched.add(1, prompt, 1000)
+        assert str(at_gate.value) == "the request" + str(at_scheduler.value).removeprefix(
+            "request 1")
 
 
 @pytest.mark.parametrize("impl", [Scheduler, ReferenceScheduler])

@@ -1,7 +1,8 @@
 """The Cython scheduler against its plain-Python reference (the oracle), step by step.
 
 Random add / schedule / update (with declined tokens) / finish / abort-in-flight / failed-step
-(``abort_batch``) / fork (beam search) sequences drive both; every
+(``abort_batch``) / fork (beam search) sequences drive both, with or without a sliding window
+(blocks out of it freed; then contexts longer than the pool); every
 ScheduledBatch (input ids, positions, slot mapping, block tables, ... -- identical block ids,
 since both allocate in the same order), every update() result, the counters, the block pool
 and every sequence must match after each operation.
@@ -17,21 +18,31 @@ from nybble.runtime.scheduler.scheduler import Scheduler
 
 from nybble.runtime.scheduler.reference_scheduler import ReferenceScheduler
 from nybble.runtime.scheduler.sequence import FinishReason
-from tests.runtime.helpers import assert_same_batch, assert_same_state, step_both
+from tests.runtime.helpers import (assert_same_batch, assert_same_state,
+                                   check_state_invariants, step_both)
 
 STOP = 11
 
 
 @st.composite
-def configs(draw: st.DrawFn) -> dict:
-    """Small pools with max_model_len up to the pool, so requests fit alone but crowd it."""
+def configs(draw: st.DrawFn, windowed: bool | None = None) -> dict:
+    """Small pools with max_model_len up to the pool, so requests fit alone but crowd it; with
+    a sliding window (``windowed``; None: half of the draws), up to three times the pool's
+    tokens."""
     num_blocks, block_size = draw(st.integers(3, 12)), draw(st.sampled_from([1, 2, 4]))
+    windows = st.integers(1, 8)
+    window = draw(windows if windowed else st.none() if windowed is False
+                  else st.none() | windows)
+    longest = max(4, num_blocks * block_size * (3 if window else 1))
+    # with a window, contexts mostly past it (else nothing is freed)
+    shortest = min(longest, window + 2 * block_size + 4) if window else 4
     return {"num_blocks": num_blocks, "block_size": block_size,
             "max_num_seqs": draw(st.integers(1, 5)),
             "max_num_batched_tokens": draw(st.integers(1, 24)),
-            "max_model_len": draw(st.integers(4, max(4, num_blocks * block_size))),
+            "max_model_len": draw(st.integers(shortest, longest)),
             "enable_chunked_prefill": draw(st.booleans()),
-            "enable_prefix_caching": draw(st.booleans())}
+            "enable_prefix_caching": draw(st.booleans()),
+            "sliding_window": window}
 
 
 class SchedulerMatchesReference(RuleBasedStateMachine):
@@ -121,6 +132,7 @@ class SchedulerMatchesReference(RuleBasedStateMachine):
     def same_state(self) -> None:
         if hasattr(self, "cy"):
             assert_same_state(self.cy, self.ref)
+            check_state_invariants(self.ref, self.cfg)
 
     def teardown(self) -> None:
         if not hasattr(self, "cy"):
@@ -130,8 +142,12 @@ class SchedulerMatchesReference(RuleBasedStateMachine):
                 break
             self.step(step, None)
             assert_same_state(self.cy, self.ref)
-        assert not self.cy.has_unfinished() and self.cy.num_free_blocks == self.cfg["num_blocks"]
+        null = self.cfg["sliding_window"] is not None
+        assert self.cy.null_block == (0 if null else -1)
+        assert not self.cy.has_unfinished()
+        assert self.cy.num_free_blocks == self.cfg["num_blocks"] - null
         event(f"preempted: {self.ref.num_preemptions > 0}")
+        event(f"window freed blocks: {self.ref.num_window_freed_blocks > 0}")
         event(f"prefix hits: {self.ref.num_prefix_hit_tokens > 0}")
         event(f"forked a group: {self.forked}")
 
@@ -139,6 +155,46 @@ class SchedulerMatchesReference(RuleBasedStateMachine):
 SchedulerMatchesReference.TestCase.settings = settings(max_examples=100, stateful_step_count=50,
                                                        deadline=None)
 TestSchedulerMatchesReference = SchedulerMatchesReference.TestCase
+
+
+class WindowedSchedulerMatchesReference(SchedulerMatchesReference):
+    """The same machine, always with a sliding window (blocks out of it freed), and requests
+    that mostly outgrow the window (and often the pool)."""
+
+    @initialize(cfg=configs(windowed=True), stem_seed=st.integers(0, 2**16))
+    def start(self, cfg: dict, stem_seed: int) -> None:
+        super().start(cfg, stem_seed)
+        self.freed_cached = False
+
+    @rule(length=st.floats(0, 1), shared=st.floats(0, 1), max_tokens=st.integers(8, 40),
+          num_samples=st.integers(1, 2), tail_seed=st.integers(0, 99))
+    def add_long(self, length: float, shared: float, max_tokens: int, num_samples: int,
+                 tail_seed: int) -> None:
+        """A request that runs long (no stop id)."""
+        self.add(length, shared, max_tokens, num_samples, False, tail_seed)
+
+    @rule(seed=st.integers(0, 2**16))
+    def steps(self, seed: int) -> None:
+        """Several plain steps in a row, so sequences grow past the window."""
+        for k in range(4):
+            self.step(seed + k, None, 1, 1)
+
+    def teardown(self) -> None:
+        if hasattr(self, "cy"):
+            event(f"window freed a prefix-cached block: {self.freed_cached}")
+        super().teardown()
+
+    @invariant()
+    def window_state(self) -> None:
+        """Remember whether a block released by the window stayed findable in the cache."""
+        if hasattr(self, "cy") and self.ref.prefix_cache is not None \
+                and self.ref.num_window_freed_blocks:
+            self.freed_cached |= bool(self.ref.prefix_cache.parked)
+
+
+WindowedSchedulerMatchesReference.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=60, deadline=None)
+TestWindowedSchedulerMatchesReference = WindowedSchedulerMatchesReference.TestCase
 
 
 @pytest.mark.parametrize("chunked", [True, False])
@@ -158,3 +214,28 @@ def test_reference_matches_on_a_crowded_pool_with_groups(chunked: bool) -> None:
         copies += len(batch.copy_src)
         assert_same_state(cy, ref)
     assert ref.num_preemptions > 0 and ref.num_prefix_hit_tokens > 0 and copies > 0
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_reference_matches_with_a_window_past_the_pool(chunked: bool) -> None:
+    """A fixed windowed run whose sequences outgrow the pool: it surely frees blocks out of
+    the window, preempts, forks a group, copies on write and hits the prefix cache (a hit
+    partly out of the window), and both schedulers agree at every step."""
+    cfg = {"num_blocks": 12, "block_size": 2, "max_num_seqs": 4, "max_num_batched_tokens": 6,
+           "max_model_len": 60, "enable_chunked_prefill": chunked, "enable_prefix_caching": True,
+           "sliding_window": 5}
+    cy, ref = Scheduler(**cfg), ReferenceScheduler(**cfg)
+    prompt = (np.arange(13, dtype=np.int32) * 7) % 5
+    for sched in (cy, ref):
+        sched.add(0, prompt, 30, (), 3)             # 43 tokens > the pool's 22 (null excluded)
+        sched.add(3, prompt, 20)                    # hits the first's blocks
+        sched.add(4, np.concatenate([prompt, [2, 2]]).astype(np.int32), 25, (STOP,))
+    copies = 0
+    while ref.has_unfinished():
+        batch = step_both(cy, ref, lambda b: (b.sample_seq_ids % 3).astype(np.int32))
+        copies += len(batch.copy_src)
+        assert_same_state(cy, ref)
+        check_state_invariants(ref, cfg)
+    assert ref.num_window_freed_blocks > 0 and ref.num_preemptions > 0
+    assert ref.num_prefix_hit_tokens > 0 and copies > 0
+    assert cy.num_free_blocks == cfg["num_blocks"] - 1
