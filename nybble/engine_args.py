@@ -30,12 +30,15 @@ def parse_bytes(text: str) -> int:
             f"must be a size in bytes such as 268435456, 256MiB or 1GiB, got {text!r}") from None
 
 
-def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = False) -> None:
+def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = False,
+                    lora: bool = True) -> None:
     """Add the engine flags to ``parser``.
 
     Args:
         model_positional: take the model as an optional positional argument (``nybble serve
             [MODEL]``) as well as ``--model``.
+        lora: add the LoRA flags (``nybble serve`` has adapters to pick; ``generate`` and
+            ``bench`` have none, so the flags would do nothing there).
     """
     if model_positional:
         parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
@@ -139,19 +142,22 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
                         help="how the ranks 1..N-1 run: mp (worker processes on this "
                              "machine) or ray (Ray actors; RAY_ADDRESS names a cluster, else "
                              "a local one is started)")
-    parser.add_argument("--enable-lora", action="store_true",
-                        help="serve LoRA adapters (PEFT folders) on the base model's q/k/v/o "
-                             "and gate/up/down projections; requests of different adapters "
-                             "and of the base run in one batch (docs/lora.md)")
-    parser.add_argument("--max-loras", type=int, default=1,
-                        help="with --enable-lora: the most distinct adapters in one step (device "
-                             "slots); a request whose adapter finds every slot in use waits")
-    parser.add_argument("--max-lora-rank", type=int, default=16, choices=list(MAX_LORA_RANKS),
-                        help="with --enable-lora: the largest adapter rank served (an adapter "
-                             "of a higher rank is refused)")
-    parser.add_argument("--max-cpu-loras", type=int, default=None,
-                        help="with --enable-lora: adapters kept loaded in host memory (an LRU "
-                             "cache; default: --max-loras)")
+    if lora:
+        parser.add_argument("--enable-lora", action="store_true",
+                            help="serve LoRA adapters (PEFT folders) on the base model's "
+                                 "q/k/v/o and gate/up/down projections; requests of different "
+                                 "adapters and of the base run in one batch (docs/lora.md)")
+        parser.add_argument("--max-loras", type=int, default=1,
+                            help="with --enable-lora: the most distinct adapters in one step "
+                                 "(device slots); a request whose adapter finds every slot in "
+                                 "use waits")
+        parser.add_argument("--max-lora-rank", type=int, default=16,
+                            choices=list(MAX_LORA_RANKS),
+                            help="with --enable-lora: the largest adapter rank served (an "
+                                 "adapter of a higher rank is refused)")
+        parser.add_argument("--max-cpu-loras", type=int, default=None,
+                            help="with --enable-lora: adapters kept loaded in host memory (an "
+                                 "LRU cache; default: --max-loras)")
     parser.add_argument("--disable-log-stats", action="store_true",
                         help="do not log the periodic stats line")
     add_threads_arg(parser)
@@ -183,5 +189,6 @@ def engine_config_from_args(args: argparse.Namespace,
         distributed_executor_backend=args.distributed_executor_backend,
         cuda_graph_sizes=None if args.cuda_graph_sizes is None else
         tuple(args.cuda_graph_sizes),
-        enable_lora=args.enable_lora, max_loras=args.max_loras,
-        max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras)
+        enable_lora=getattr(args, "enable_lora", False),
+        max_loras=getattr(args, "max_loras", 1), max_lora_rank=getattr(args, "max_lora_rank", 16),
+        max_cpu_loras=getattr(args, "max_cpu_loras", None))

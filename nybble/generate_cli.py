@@ -26,7 +26,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--chat", action="store_true",
                    help="send each PROMPT as one user message through the model's chat "
                         "template and print only the answer (for instruct models)")
-    add_engine_args(p)
+    add_engine_args(p, lora=False)
     p.set_defaults(func=run)
 
 

@@ -42,7 +42,7 @@ def register(subparsers: Any) -> None:
         description="Run N requests through nybble's LLM and Hugging Face generate (static "
                     "batches of --max-num-seqs) in one process; print a table, write JSON. "
                     "--model also takes stories260k or llama-random.")
-    add_engine_args(tp)
+    add_engine_args(tp, lora=False)
     add_throughput_args(tp)
     tp.set_defaults(func=_throughput)
     sv = sub.add_parser(

@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import os
 import shlex
 import socket
@@ -165,6 +166,9 @@ def _row(rate: float, res: dict[str, Any]) -> dict[str, Any]:
 def run_serve_bench(cfg: ServeBenchConfig) -> dict[str, Any]:
     """Run every rate, print the table (latencies in ms), write JSON; returns the payload."""
     from transformers import AutoTokenizer
+
+    # NOTE: httpx logs every request at INFO: thousands of lines between the tables
+    logging.getLogger("httpx").setLevel(logging.WARNING)
 
     if cfg.base_url is not None:  # NOTE: fail in a second with one line, before the tokenizer
         served_model_name(cfg.base_url, cfg.api_key)

@@ -323,6 +323,27 @@ class ChatCompletionRequest(_SamplingFields, ChatOptions):
     echo: bool = False
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
+    # vLLM's beam-search fields: declared so that they are refused here (below), not ignored
+    use_beam_search: bool = False
+    length_penalty: float | None = None
+    early_stopping: bool | Literal["never"] | None = None
+
+    @model_validator(mode="after")
+    def _no_beam_search(self) -> Any:
+        """Beam search runs on ``/v1/completions`` (and ``LLM.beam_search``) only."""
+        if self.use_beam_search:
+            raise InvalidRequestError("use_beam_search is not supported by "
+                                      "/v1/chat/completions; use /v1/completions with the "
+                                      "chat template applied, or LLM.beam_search offline",
+                                      param="use_beam_search")
+        if self.length_penalty not in (None, 1.0):
+            raise InvalidRequestError(f"length_penalty must be 1.0 unless use_beam_search is "
+                                      f"set, got {self.length_penalty}", param="length_penalty")
+        if self.early_stopping not in (None, False):
+            raise InvalidRequestError(f"early_stopping must be false unless use_beam_search "
+                                      f"is set, got {self.early_stopping!r}",
+                                      param="early_stopping")
+        return self
 
     @field_validator("messages")
     @classmethod

@@ -63,3 +63,23 @@ def test_bad_beam_requests_are_400s(server: Server, extra: dict, param: str | No
             "use_beam_search": True, "n": 2}.items()}, "stream": False, "temperature": 0.0,
             "logprobs": None, "length_penalty": 1.0, "early_stopping": False})
         assert ok.status_code == 200, ok.text
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"use_beam_search": True, "n": 2}, "use_beam_search"),
+    ({"use_beam_search": True, "stream": True}, "use_beam_search"),
+    ({"length_penalty": 0.5}, "length_penalty"),
+    ({"early_stopping": True}, "early_stopping"),
+])
+def test_beam_search_on_chat_is_refused_not_ignored(server: Server, extra: dict,
+                                                    param: str) -> None:
+    """Chat has no beam search: asking for it is a 400, not a greedy answer."""
+    body = {"model": "stories260k", "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 4, "temperature": 0.0}
+    with server.http() as c:
+        r = c.post("/v1/chat/completions", json={**body, **extra})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == param, r.text
+        neutral = c.post("/v1/chat/completions", json={
+            **body, "use_beam_search": False, "length_penalty": 1.0, "early_stopping": False})
+        assert neutral.status_code == 200, neutral.text

@@ -37,6 +37,7 @@ engine-core process) and, offline, on the caller's thread in :class:`LLMEngine`.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -53,6 +54,8 @@ from nybble.runtime.frontend.shaping_checks import (
 from nybble.runtime.scheduler.scheduler_input import check_kv_fit
 from nybble.tokenizer.tokenizer import Tokenizer
 from nybble.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, num_candidates
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_NAMES", "FLOAT32_TINY", "InputProcessor", "ParamNames", "RequestLimits"]
 
@@ -99,6 +102,21 @@ def _fail(name: str, allowed: str, value: object) -> InvalidRequestError:
     return InvalidRequestError(f"{name} must be {allowed}, got {value!r}", param=name)
 
 
+def check_vocabularies(num_tokens: int, vocab_size: int) -> bool:
+    """Warn (once, at start-up) when the tokenizer's ``num_tokens`` (added tokens included)
+    cannot be the model's: more than its ``vocab_size`` embedding rows, or fewer than 90% of
+    them (a model's vocabulary is at most padded to a round size, never 10% larger). A
+    mismatched ``--tokenizer`` otherwise shows only as garbled text. Returns whether they
+    match."""
+    if num_tokens > vocab_size or num_tokens < 0.9 * vocab_size:
+        logger.warning("the tokenizer has %d tokens but the model's vocabulary has %d: is the "
+                       "tokenizer (--tokenizer) the model's? Generated ids it does not know "
+                       "decode to nothing, and prompt ids past the model's vocabulary are "
+                       "refused", num_tokens, vocab_size)
+        return False
+    return True
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -121,6 +139,7 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.limits = limits
         self.eos_token_ids = tuple(eos_token_ids)
+        check_vocabularies(tokenizer.vocab_size, limits.vocab_size)
 
     def process(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
                 arrival_time: float | None = None,

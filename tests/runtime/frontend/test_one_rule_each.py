@@ -129,3 +129,19 @@ def test_the_gate_checks_min_tokens_against_the_given_and_the_resolved_budget(
         gate.process("r", [1] * 12, SamplingParams(max_tokens=None, min_tokens=501),
                      names=CHAT)
     assert e.value.param == "min_tokens"
+
+
+def test_a_tokenizer_of_another_model_is_warned_about(tok: Tokenizer, caplog) -> None:
+    """The bundled tokenizer (512 tokens) over a 49,152-token model: one start-up warning;
+    the model's own (or a padded vocabulary) none."""
+    with caplog.at_level("WARNING", logger="nybble.runtime.frontend.input_processor"):
+        InputProcessor(tok, RequestLimits(64, 512, 8, 20, 4, 4), (2,))
+        InputProcessor(tok, RequestLimits(64, 544, 8, 20, 4, 4), (2,))   # padded rows
+        assert not caplog.records
+        InputProcessor(tok, RequestLimits(64, 49152, 8, 20, 4, 4), (2,))
+        InputProcessor(tok, RequestLimits(64, 256, 8, 20, 4, 4), (2,))
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2
+    assert messages[0].startswith("the tokenizer has 512 tokens but the model's vocabulary has "
+                                  "49152: is the tokenizer (--tokenizer) the model's?")
+    assert "vocabulary has 256" in messages[1]
