@@ -8,13 +8,14 @@ the way transformers' own GGUF integration does (``GGUF_CONFIG_MAPPING``).
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from nybble.errors import UnsupportedModelError
+from nybble.gguf.arch_config import ARCH_FIELDS
 
-ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"),
-                 "qwen2": ("Qwen2ForCausalLM", "qwen2")}
-"""GGUF ``general.architecture`` -> (transformers architecture, ``model_type``)."""
+ARCHITECTURES = tuple(ARCH_FIELDS)
+"""The GGUF ``general.architecture`` values nybble loads (:mod:`nybble.gguf.arch_config`)."""
 
 
 def _get(meta: dict[str, Any], key: str, default: Any = None) -> Any:
@@ -22,23 +23,26 @@ def _get(meta: dict[str, Any], key: str, default: Any = None) -> Any:
     return value[0] if isinstance(value, list) and len(value) == 1 else value
 
 
-def hf_config(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
+def hf_config(meta: dict[str, Any], tensors: Mapping[str, Any]) -> dict[str, Any]:
     """The ``config.json`` of a GGUF model.
 
     Args:
-        meta: the GGUF metadata. tensor_names: the file's tensor names (a separate
-            ``output.weight`` means untied embeddings; ``blk.0.attn_q.bias``, q/k/v biases).
+        meta: the GGUF metadata.
+        tensors: the file's tensors by name (:class:`~nybble.gguf.reader.GGUFTensor`; a
+            separate ``output.weight`` means untied embeddings, ``blk.0.attn_q.bias`` q/k/v
+            biases; the rows of ``token_embd.weight`` are the vocabulary; Phi-3's
+            ``rope_factors_*`` values are read).
 
     Raises:
-        UnsupportedModelError: an architecture other than :data:`ARCHITECTURES`, a
-            mixture-of-experts model (``expert_count`` > 0), a missing key, partial rotary
-            embeddings, or a RoPE scaling other than linear.
+        UnsupportedModelError: an architecture other than :data:`ARCHITECTURES`, a missing
+            key, partial rotary embeddings (but Phi-3's), Llama 3.1's ``rope_freqs``, a RoPE
+            scaling other than linear, or what a family refuses
+            (:mod:`nybble.gguf.arch_config`).
     """
     arch = str(meta.get("general.architecture", ""))
-    if arch not in ARCHITECTURES:
+    if arch not in ARCH_FIELDS:
         raise UnsupportedModelError(f"GGUF general.architecture must be one of "
                                     f"{', '.join(ARCHITECTURES)}, got {arch!r}")
-    hf_arch, model_type = ARCHITECTURES[arch]
 
     def need(name: str) -> Any:
         key = f"{arch}.{name}"
@@ -46,46 +50,44 @@ def hf_config(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
             raise UnsupportedModelError(f"GGUF metadata must contain {key!r} for a {arch} model")
         return _get(meta, key)
 
-    experts = int(_get(meta, f"{arch}.expert_count", 0) or 0)
-    if experts:
-        raise UnsupportedModelError(
-            f"GGUF {arch}.expert_count must be 0 (a dense model): mixture-of-experts GGUF files "
-            f"are not supported, got {experts} experts; serve the model's Hugging Face folder "
-            f"(safetensors) instead")
+    def read(name: str, default: Any) -> Any:
+        return _get(meta, f"{arch}.{name}", default)
+
     hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
-    kv_heads = int(_get(meta, f"{arch}.attention.head_count_kv", heads))
-    head_dim = int(_get(meta, f"{arch}.attention.key_length", hidden // heads))
-    rot = int(_get(meta, f"{arch}.rope.dimension_count", head_dim))
-    if rot != head_dim:
+    need("block_count")
+    family = ARCH_FIELDS[arch](read, tensors)
+    kv_heads = int(read("attention.head_count_kv", heads))
+    head_dim = int(family.get("head_dim") or read("attention.key_length", hidden // heads))
+    rot = int(read("rope.dimension_count", head_dim))
+    if rot != head_dim and "partial_rotary_factor" not in family:
         raise UnsupportedModelError(f"GGUF {arch}.rope.dimension_count must equal the head "
                                     f"dimension {head_dim} (no partial rotary), got {rot}")
-    if "rope_freqs.weight" in tensor_names:
+    if "rope_freqs.weight" in tensors:
         raise UnsupportedModelError("GGUF rope_freqs.weight (Llama 3.1 frequency factors) is "
                                     "not supported; supported RoPE: default and linear")
     tokens = meta.get("tokenizer.ggml.tokens") or []
+    embed = tensors.get("token_embd.weight")
+    vocab = int(read("vocab_size", len(tokens)))
+    if embed is not None and getattr(embed, "shape", None):
+        vocab = int(embed.shape[0])    # NOTE: Gemma 3's converter drops the unused rows
     cfg: dict[str, Any] = {
-        "architectures": [hf_arch], "model_type": model_type,
         "hidden_size": hidden, "intermediate_size": int(need("feed_forward_length")),
         "num_hidden_layers": int(need("block_count")), "num_attention_heads": heads,
         "num_key_value_heads": kv_heads, "head_dim": head_dim,
         "rms_norm_eps": float(need("attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(_get(meta, f"{arch}.rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(_get(meta, f"{arch}.context_length", 2048)),
-        "vocab_size": int(_get(meta, f"{arch}.vocab_size", len(tokens))),
-        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "rope_theta": float(read("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(read("context_length", 2048)),
+        "vocab_size": vocab, "tie_word_embeddings": "output.weight" not in tensors,
         "hidden_act": "silu", "torch_dtype": "float32",
     }
-    scaling = _get(meta, f"{arch}.rope.scaling.type")
-    if scaling not in (None, "none"):
+    scaling = read("rope.scaling.type", None)
+    if scaling not in (None, "none") and "rope_parameters" not in family:
         if scaling != "linear":
             raise UnsupportedModelError(f"GGUF {arch}.rope.scaling.type must be none or linear, "
                                         f"got {scaling!r}")
         cfg["rope_scaling"] = {"rope_type": "linear",
-                               "factor": float(_get(meta, f"{arch}.rope.scaling.factor"))}
-    if arch == "llama":
-        cfg["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
-    else:
-        cfg["use_sliding_window"] = False
+                               "factor": float(read("rope.scaling.factor", 1.0))}
+    cfg.update(family)
     for key, name in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                       ("pad_token_id", "padding_token_id")):
         value = _get(meta, f"tokenizer.ggml.{name}")

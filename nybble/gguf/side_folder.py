@@ -62,7 +62,7 @@ def ensure_side_folder(gguf_path: str) -> str:
         return folder
     gf = GGUFFile(gguf_path)
     meta = gf.metadata
-    contents = {"config.json": hf_config(meta, set(gf.tensors)),
+    contents = {"config.json": hf_config(meta, gf.tensors),
                 "generation_config.json": generation_config(meta),
                 "tokenizer_config.json": tokenizer_config(meta),
                 SOURCE_FILE: {"gguf_file": os.path.realpath(gguf_path)}}

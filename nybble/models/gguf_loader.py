@@ -1,19 +1,31 @@
 """Load a GGUF file's weights into :class:`~nybble.models.llama.LlamaForCausalLM`.
 
 Names: llama.cpp's tensor names (``token_embd``, ``blk.N.attn_q`` ... ``output``; gguf-py's
-``TENSOR_NAMES``) mapped onto Hugging Face's. Quantized tensors go straight from their
-blocks into nybble's packed integers (:mod:`nybble.quant.gguf_blocks`,
-:mod:`nybble.quant.gguf_linear`); F32/F16/BF16 tensors are dense. llama.cpp's converter
-permutes the rows of ``attn_q``/``attn_k`` of a ``llama`` model per head (its RoPE rotates
-adjacent pairs, Hugging Face's the two halves of a head); the permutation moves whole rows,
-so it is undone on the quantized rows before unpacking. A quantized token embedding is kept
-quantized: it is the output head when the embeddings are tied, and the embedding lookup
-dequantizes only the rows of the step's tokens.
+``TENSOR_NAMES`` in ``constants.py``, the Hugging Face side in ``tensor_mapping.py``) mapped
+onto Hugging Face's. Quantized tensors go straight from their blocks into nybble's packed
+integers (:mod:`nybble.quant.gguf_blocks`, :mod:`nybble.quant.gguf_linear`); F32/F16/BF16
+tensors are dense. llama.cpp's converter permutes the rows of ``attn_q``/``attn_k`` of a
+``llama`` model per head, Mixtral included (its RoPE rotates adjacent pairs, Hugging Face's the
+two halves of a head; ``qwen2``/``qwen3``/``gemma*``/``phi3`` use the halves and are not
+permuted); the permutation moves whole rows, so it is undone on the quantized rows before
+unpacking. A quantized token embedding is kept quantized: it is the output head when the
+embeddings are tied, and the embedding lookup dequantizes only the rows of the step's tokens.
+
+Per family (``convert_hf_to_gguf.py``): Phi-3's ``attn_qkv`` (q, k, v rows) and ``ffn_up``
+(gate rows, then up rows) are the fused ``qkv_proj`` / ``gate_up_proj``; Gemma's converter
+stores every norm weight as ``w + 1`` (Hugging Face's ``GemmaRMSNorm`` multiplies by
+``1 + w``), so ``1`` is taken off; Gemma's sandwich norms are ``post_attention_norm``,
+``ffn_norm`` (pre-MLP) and ``post_ffw_norm``. Mixture-of-experts layers store each projection
+of all experts stacked, ``blk.N.ffn_{gate,up,down}_exps`` ``[E, I, H]`` / ``[E, H, I]``
+(each expert's rows quantized on their own), router ``ffn_gate_inp`` ``[E, H]``: expert ``e``
+of a quantized stack is its own quantized linear (nybble's per-expert quantized MoE path,
+:class:`~nybble.models.moe.MoEBlock`), a float stack fills the stacked dense experts.
 """
 from __future__ import annotations
 
 import logging
 import re
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -21,7 +33,9 @@ from torch import nn
 
 from nybble.errors import UnsupportedModelError
 from nybble.gguf.reader import GGUFFile, GGUFTensor
+from nybble.kernels.reference.quant import IntWeight, dequantize_int_weight
 from nybble.models.llama import LlamaForCausalLM
+from nybble.models.moe import MoEBlock
 from nybble.quant.gguf_blocks import DENSE_TYPES, SUPPORTED_QUANT_TYPES, unpack_blocks
 from nybble.quant.gguf_linear import GGUFDensePart, GGUFLinear, GGUFQuantLinear
 from nybble.quant.linear import CpuPathLog
@@ -31,8 +45,18 @@ logger = logging.getLogger(__name__)
 _LAYER = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
           "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
           "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
-          "post_attention_layernorm": "ffn_norm"}
+          "post_attention_layernorm": "ffn_norm", "self_attn.qkv_proj": "attn_qkv",
+          "mlp.gate_up_proj": "ffn_up", "mlp.gate": "ffn_gate_inp",
+          "block_sparse_moe.gate": "ffn_gate_inp", "self_attn.q_norm": "attn_q_norm",
+          "self_attn.k_norm": "attn_k_norm"}
 _PREFIX = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+                     r"(gate_proj|up_proj|down_proj|w1|w3|w2)")
+_EXPERT_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up",
+                "down_proj": "down", "w2": "down"}
+_SANDWICH_NORMS = {"post_attention_layernorm": "post_attention_norm",
+                   "pre_feedforward_layernorm": "ffn_norm",
+                   "post_feedforward_layernorm": "post_ffw_norm"}
 _KINDS = {"Q4_0": (4, 32, False), "Q4_1": (4, 32, True), "Q4_K": (4, 32, True),
           "Q5_0": (8, 32, False), "Q5_1": (8, 32, True), "Q5_K": (8, 32, True),
           "Q6_K": (8, 16, False), "Q8_0": (8, 32, False)}
@@ -40,7 +64,11 @@ _KINDS = {"Q4_0": (4, 32, False), "Q4_1": (4, 32, True), "Q4_K": (4, 32, True),
 
 def gguf_name(hf_prefix: str) -> str:
     """The GGUF name of a Hugging Face module prefix (``model.layers.0.self_attn.q_proj`` ->
-    ``blk.0.attn_q``; ``model.embed_tokens`` -> ``token_embd``)."""
+    ``blk.0.attn_q``; ``model.embed_tokens`` -> ``token_embd``; an expert's projection
+    ``model.layers.0.mlp.experts.3.up_proj`` -> its stack ``blk.0.ffn_up_exps``)."""
+    e = _EXPERT.fullmatch(hf_prefix)
+    if e is not None:
+        return f"blk.{e.group(1)}.ffn_{_EXPERT_PART[e.group(3)]}_exps"
     m = _PREFIX.fullmatch(hf_prefix)
     if m is not None and m.group(2) in _LAYER:
         return f"blk.{m.group(1)}.{_LAYER[m.group(2)]}"
@@ -48,10 +76,21 @@ def gguf_name(hf_prefix: str) -> str:
             "lm_head": "output"}.get(hf_prefix, hf_prefix)
 
 
+def expert_index(hf_prefix: str) -> int | None:
+    """The expert of an expert projection's prefix (``...experts.3.up_proj`` -> 3), else
+    None."""
+    e = _EXPERT.fullmatch(hf_prefix)
+    return None if e is None else int(e.group(2))
+
+
 def _tensor(gf: GGUFFile, name: str) -> GGUFTensor:
     t = gf.tensors.get(name)
     if t is None:
-        raise UnsupportedModelError(f"GGUF file {gf.path!r} lacks tensor {name!r}")
+        hint = ""
+        if re.fullmatch(r"blk\.\d+\.ffn_(gate|up|down)_exps\.weight", name):
+            hint = (" (experts must be stacked per projection, as llama.cpp's converter writes "
+                    "them since 2024; re-convert a file with one tensor per expert)")
+        raise UnsupportedModelError(f"GGUF file {gf.path!r} lacks tensor {name!r}{hint}")
     if t.type_name not in SUPPORTED_QUANT_TYPES + DENSE_TYPES:
         raise UnsupportedModelError(
             f"GGUF tensor {name} has type {t.type_name}, which nybble does not load; supported: "
@@ -61,7 +100,7 @@ def _tensor(gf: GGUFFile, name: str) -> GGUFTensor:
 
 
 def dense_array(t: GGUFTensor) -> torch.Tensor:
-    """A float GGUF tensor as float32 ``[rows, ne0]`` (or ``[ne0]``), bit-exact."""
+    """A float GGUF tensor as float32 of its shape (rows first), bit-exact."""
     data = np.ascontiguousarray(t.data)
     if t.type_name == "BF16":
         out = torch.from_numpy(data.view(np.int16).copy()).view(torch.bfloat16).float()
@@ -70,9 +109,62 @@ def dense_array(t: GGUFTensor) -> torch.Tensor:
     return out.reshape(t.shape)
 
 
+@dataclass(frozen=True)
+class _Source:
+    """One Hugging Face weight's data in a GGUF file.
+
+    Attributes:
+        tensor: the GGUF tensor (an expert's weight: its stack). shape: ``(N, K)`` of the
+            weight itself. value: float32 ``[N, K]`` (float types) or the raw block rows
+            ``uint8 [N, bytes per row]`` (quantized types), in Hugging Face row order.
+    """
+
+    tensor: GGUFTensor
+    shape: tuple[int, ...]
+    value: torch.Tensor
+
+    @property
+    def type_name(self) -> str:
+        return self.tensor.type_name
+
+    def as_float(self) -> torch.Tensor:
+        """float32 ``[N, K]`` (quantized rows dequantized exactly as gguf-py does)."""
+        if self.type_name in DENSE_TYPES:
+            return self.value
+        ints = unpack_blocks(self.type_name, self.value, self.shape[-1])
+        g = ints.scales.shape[1]
+        iw = IntWeight(ints.q.t(), torch.full((g, ints.q.shape[0]), ints.zero,
+                                              dtype=torch.int32), None, ints.group_size,
+                       ints.bits, None if ints.mins is None else ints.mins.t())
+        return dequantize_int_weight(iw, ints.scales.t()).contiguous()
+
+
+def _source(gf: GGUFFile, prefix: str, suffix: str, heads: int, kv_heads: int) -> _Source:
+    """The GGUF data of Hugging Face tensor ``{prefix}.{suffix}`` (``weight``/``bias``)."""
+    name = f"{gguf_name(prefix)}.{suffix}"
+    t = _tensor(gf, name)
+    expert = expert_index(prefix)
+    if expert is not None:
+        if len(t.shape) != 3 or not 0 <= expert < t.shape[0]:
+            raise UnsupportedModelError(f"GGUF tensor {name} must stack the experts [E, rows, "
+                                        f"cols] with expert {expert} in it, got {t.shape}")
+        shape = tuple(t.shape[1:])
+        if t.type_name in DENSE_TYPES:
+            return _Source(t, shape, dense_array(t)[expert])
+        raw = torch.from_numpy(np.array(np.asarray(t.data).reshape(t.shape[0], shape[0], -1)
+                                        [expert]))
+        return _Source(t, shape, raw)
+    order = _row_order(name, t.shape[0], gf.architecture, heads, kv_heads)
+    if t.type_name in DENSE_TYPES:
+        w = dense_array(t)
+        return _Source(t, t.shape, w if order is None else w[order])
+    return _Source(t, t.shape, _rows(t, gf, heads, kv_heads))
+
+
 class GGUFFactory:
     """The ``LinearFactory`` of a GGUF file: a :class:`GGUFLinear` for every projection with
-    a quantized shard (one part per run of equal types), None (dense) otherwise."""
+    a quantized shard (one part per run of equal types), None (dense) otherwise. A fused
+    checkpoint projection (Phi-3's ``attn_qkv``: one prefix, several widths) is one shard."""
 
     def __init__(self, gf: GGUFFile, path_log: CpuPathLog) -> None:
         self.gf, self.path_log = gf, path_log
@@ -82,13 +174,14 @@ class GGUFFactory:
         types = [_tensor(self.gf, gguf_name(p) + ".weight").type_name for p in prefixes]
         if all(t in DENSE_TYPES for t in types):
             return None
+        widths = _shard_widths(prefixes, out_features)
         parts: list[nn.Module] = []
         i = 0
         while i < len(types):
             j = i
             while j + 1 < len(types) and types[j + 1] == types[i]:
                 j += 1
-            width = sum(out_features[i:j + 1])
+            width = sum(widths[i:j + 1])
             if types[i] in DENSE_TYPES:
                 parts.append(GGUFDensePart(in_features, width, dtype, device))
             else:
@@ -98,6 +191,11 @@ class GGUFFactory:
         module = GGUFLinear(in_features, parts, bias, dtype, device)
         module.part_types = types
         return module
+
+
+def _shard_widths(prefixes: list[str], widths: list[int]) -> list[int]:
+    """Output rows per checkpoint tensor: ``widths``, or their sum for one fused tensor."""
+    return list(widths) if len(prefixes) == len(widths) else [sum(widths)]
 
 
 def quant_module(type_name: str, in_features: int, out_features: int, dtype: torch.dtype,
@@ -127,18 +225,6 @@ def _rows(t: GGUFTensor, gf: GGUFFile, heads: int, kv_heads: int) -> torch.Tenso
     return data if order is None else data[order]
 
 
-def _weight_rows(gf: GGUFFile, name: str, heads: int, kv_heads: int) -> tuple[GGUFTensor,
-                                                                              torch.Tensor]:
-    """``(tensor, value)``: float32 ``[N, K]`` for float types, the raw block rows else
-    (both in HF row order)."""
-    t = _tensor(gf, name)
-    order = _row_order(name, t.shape[0], gf.architecture, heads, kv_heads)
-    if t.type_name in DENSE_TYPES:
-        w = dense_array(t)
-        return t, (w if order is None else w[order])
-    return t, _rows(t, gf, heads, kv_heads)
-
-
 def load_gguf_weights(model: LlamaForCausalLM, gf: GGUFFile, dtype: torch.dtype,
                       path_log: CpuPathLog) -> None:
     """Fill ``model`` from ``gf`` (built with :class:`GGUFFactory`).
@@ -150,71 +236,105 @@ def load_gguf_weights(model: LlamaForCausalLM, gf: GGUFFile, dtype: torch.dtype,
     heads, kv_heads = model.shape.num_heads, model.shape.num_kv_heads
     used: set[str] = set()
     for mname, module in model.named_modules():
+        if isinstance(module, MoEBlock) and module.w13 is not None:
+            _load_stacked_experts(module, gf, used)
         prefixes = getattr(module, "shard_prefixes", None)
         if not prefixes:
             continue
-        names = [gguf_name(p) for p in prefixes]
-        loaded = [_weight_rows(gf, n + ".weight", heads, kv_heads) for n in names]
-        used.update(n + ".weight" for n in names)
-        for (t, _), width in zip(loaded, module.shard_widths):
-            if t.shape != (width, module.in_features):
-                raise UnsupportedModelError(f"GGUF tensor {t.name} must have shape "
+        loaded = [_source(gf, p, "weight", heads, kv_heads) for p in prefixes]
+        used.update(s.tensor.name for s in loaded)
+        widths = _shard_widths(prefixes, module.shard_widths)
+        for src, width in zip(loaded, widths):
+            if src.shape != (width, module.in_features):
+                raise UnsupportedModelError(f"GGUF tensor {src.tensor.name} must have shape "
                                             f"{(width, module.in_features)} (rows, ne0), got "
-                                            f"{t.shape}")
-        bias = _bias(gf, names, heads, kv_heads, used)
+                                            f"{src.shape}")
+        bias = _bias(gf, prefixes, heads, kv_heads, used)
         if isinstance(module, GGUFLinear):
             _fill_parts(module, loaded)
             if module.bias is not None:
                 if bias is None:
-                    raise UnsupportedModelError(f"GGUF file lacks the biases of {names}")
+                    raise UnsupportedModelError(f"GGUF file lacks the biases of "
+                                                f"{[gguf_name(p) for p in prefixes]}")
                 module.bias.copy_(bias)
-        else:   # DenseLinear
-            tensors = {"weight": torch.cat([w for _, w in loaded], 0)}
+        else:   # DenseLinear (a quantized router is dequantized)
+            tensors = {"weight": torch.cat([src.as_float() for src in loaded], 0)}
             if bias is not None:
                 tensors["bias"] = bias
             module.load_tensors(tensors)
     _load_norms(model, gf, used)
     _load_embedding(model, gf, dtype, path_log, used)
+    used.update(n for n in ("rope_factors_long.weight", "rope_factors_short.weight")
+                if n in gf.tensors)    # read into the config (nybble.gguf.arch_config)
     extra = sorted(set(gf.tensors) - used)
     if extra:
         logger.warning("ignoring GGUF tensors %s", extra[:5])
 
 
-def _bias(gf: GGUFFile, names: list[str], heads: int, kv_heads: int,
+def _load_stacked_experts(block: MoEBlock, gf: GGUFFile, used: set[str]) -> None:
+    """Float experts: each expert's gate, up and down rows of the stacks into ``block``'s
+    ``w13`` / ``w2`` (a quantized stack among float ones is dequantized)."""
+    for prefix, (expert, part) in block.expert_prefixes.items():
+        src = _source(gf, prefix, "weight", 0, 0)
+        used.add(src.tensor.name)
+        block.load_expert(expert, part, "weight", src.as_float())
+
+
+def _bias(gf: GGUFFile, prefixes: list[str], heads: int, kv_heads: int,
           used: set[str]) -> torch.Tensor | None:
+    names = [gguf_name(p) for p in prefixes]
     found = [n + ".bias" for n in names if n + ".bias" in gf.tensors]
     if not found:
         return None
     if len(found) != len(names):
         raise UnsupportedModelError(f"GGUF file must hold biases for all or none of {names}")
     used.update(found)
-    return torch.cat([_weight_rows(gf, n, heads, kv_heads)[1].reshape(-1) for n in found])
+    return torch.cat([_source(gf, p, "bias", heads, kv_heads).as_float().reshape(-1)
+                      for p in prefixes])
 
 
-def _fill_parts(module: GGUFLinear, loaded: list[tuple[GGUFTensor, torch.Tensor]]) -> None:
+def _fill_parts(module: GGUFLinear, loaded: list[_Source]) -> None:
     i = 0
     for part in module.parts:
         rows, group = 0, []
         while rows < part.out_features:
             group.append(loaded[i])
-            rows += loaded[i][0].shape[0]
+            rows += loaded[i].shape[0]
             i += 1
         if isinstance(part, GGUFDensePart):
-            part.load_weight(torch.cat([w for _, w in group], 0))
+            part.load_weight(torch.cat([src.value for src in group], 0))
             continue
-        raw = torch.cat([w for _, w in group], 0)
-        part.load_ints(unpack_blocks(group[0][0].type_name, raw, module.in_features))
+        raw = torch.cat([src.value for src in group], 0)
+        part.load_ints(unpack_blocks(group[0].type_name, raw, module.in_features))
+
+
+def _norm_names(model: LlamaForCausalLM, i: int) -> list[tuple[nn.Module, str]]:
+    """Layer ``i``'s norms and their GGUF names."""
+    layer = model.layers[i]
+    attrs = ["input_layernorm", "post_attention_layernorm"]
+    if layer.sandwich:
+        attrs += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+    out = [(getattr(layer, a), f"blk.{i}." + (_SANDWICH_NORMS.get(a) if layer.sandwich and
+                                                a in _SANDWICH_NORMS else _LAYER[a]))
+           for a in attrs]
+    attn = layer.self_attn
+    if attn.q_norm is not None and attn.k_norm is not None:
+        out += [(attn.q_norm, f"blk.{i}.attn_q_norm"), (attn.k_norm, f"blk.{i}.attn_k_norm")]
+    return out
 
 
 def _load_norms(model: LlamaForCausalLM, gf: GGUFFile, used: set[str]) -> None:
-    for i, layer in enumerate(model.layers):
-        for attr, gname in (("input_layernorm", "attn_norm"), ("post_attention_layernorm",
-                                                               "ffn_norm")):
-            name = f"blk.{i}.{gname}.weight"
-            getattr(layer, attr).weight.data.copy_(dense_array(_tensor(gf, name)))
-            used.add(name)
-    model.norm.weight.data.copy_(dense_array(_tensor(gf, "output_norm.weight")))
-    used.add("output_norm.weight")
+    """Every RMSNorm weight; Gemma's stored ``w + 1`` becomes the ``w`` of ``1 + w``."""
+    shift = 1.0 if model.spec.gemma_norm else 0.0
+    pairs = [p for i in range(len(model.layers)) for p in _norm_names(model, i)]
+    for module, gname in pairs + [(model.norm, "output_norm")]:
+        name = gname + ".weight"
+        w = dense_array(_tensor(gf, name))
+        if w.shape != module.weight.shape:
+            raise UnsupportedModelError(f"GGUF tensor {name} must have shape "
+                                        f"{tuple(module.weight.shape)}, got {tuple(w.shape)}")
+        module.weight.data.copy_(w - shift if shift else w)
+        used.add(name)
 
 
 def _load_embedding(model: LlamaForCausalLM, gf: GGUFFile, dtype: torch.dtype,

@@ -1,7 +1,7 @@
 """Bad GGUF files give one clear line at start-up: truncated, bad magic, an unsupported
 tensor type (named with the tensor and the supported list), an unsupported architecture, a
-mixture-of-experts file, a split model without its shards; and a quantization flag that does
-not fit."""
+mixture-of-experts file without stacked experts, a split model without its shards; and a
+quantization flag that does not fit."""
 from __future__ import annotations
 
 import os
@@ -90,32 +90,45 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
     p = tmp_path / "arch.gguf"
     _rewrite(Q40, str(p), arch="gpt2")
     with pytest.raises(UnsupportedModelError,
-                       match="general.architecture must be one of llama, qwen2, got 'gpt2'"):
+                       match="general.architecture must be one of llama, qwen2, qwen3, "
+                             "qwen3moe, gemma2, gemma3, phi3, got 'gpt2'"):
         _load(str(p))
 
 
-def test_mixture_of_experts_file_is_refused(tmp_path: Path) -> None:
-    """A Mixtral-style file (``llama.expert_count`` set) is named as MoE, not misread as a
-    dense Llama."""
-    p = tmp_path / "moe.gguf"
+def _with_keys(dst: Path, **keys: int) -> None:
+    """stories3m Q4_0 with extra ``llama.*`` uint32 keys."""
     r = gguf.GGUFReader(Q40)
-    w = gguf.GGUFWriter(str(p), "llama")
+    w = gguf.GGUFWriter(str(dst), "llama")
     for key, f in r.fields.items():
         if key.startswith("GGUF.") or key == "general.architecture":
             continue
         vtype = f.types[0]
         w.add_key_value(key, f.contents(), vtype,
                         f.types[1] if vtype == gguf.GGUFValueType.ARRAY else None)
-    w.add_uint32("llama.expert_count", 8)
+    for key, value in keys.items():
+        w.add_uint32(f"llama.{key}", value)
     for t in r.tensors:
         w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(UnsupportedModelError, match="llama.expert_count must be 0 .* got 8 "
-                       "experts; serve the model's Hugging Face folder"):
+
+
+def test_mixture_of_experts_file_without_stacked_experts_is_refused(tmp_path: Path) -> None:
+    """A Mixtral-style file (``llama.expert_count`` set) is read as Mixtral, not misread as a
+    dense Llama: without ``expert_used_count``, or without llama.cpp's stacked expert tensors
+    (older files held one tensor per expert), it is refused naming what is missing."""
+    p = tmp_path / "moe.gguf"
+    _with_keys(p, expert_count=8)
+    with pytest.raises(UnsupportedModelError, match=r"expert_used_count must be in \[1, "
+                       r"expert_count = 8\], got 0"):
         _load(str(p))
+    q = tmp_path / "moe2.gguf"
+    _with_keys(q, expert_count=8, expert_used_count=2)
+    with pytest.raises(UnsupportedModelError, match=r"lacks tensor 'blk\.0\.ffn_gate_exps\."
+                       r"weight' \(experts must be stacked per projection"):
+        _load(str(q))
 
 
 def test_split_without_shards(tmp_path: Path) -> None:
