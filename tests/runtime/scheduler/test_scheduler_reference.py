@@ -197,22 +197,32 @@ WindowedSchedulerMatchesReference.TestCase.settings = settings(
 TestWindowedSchedulerMatchesReference = WindowedSchedulerMatchesReference.TestCase
 
 
-@pytest.mark.parametrize("chunked", [True, False])
-def test_reference_matches_on_a_crowded_pool_with_groups(chunked: bool) -> None:
-    """A fixed run that surely preempts, forks, copies on write and hits the prefix cache."""
-    cfg = {"num_blocks": 10, "block_size": 2, "max_num_seqs": 4, "max_num_batched_tokens": 8,
-           "max_model_len": 20, "enable_chunked_prefill": chunked, "enable_prefix_caching": True}
+def _run_fixed(cfg: dict, prompt: np.ndarray, max_tokens: tuple[int, int, int]
+               ) -> tuple[ReferenceScheduler, int]:
+    """Both schedulers run a group of 3 samples of ``prompt``, one more request of it and one
+    of it plus two tokens (a stop id), to the end, agreeing (and the reference's invariants
+    holding) after every step; the reference and the copy-on-write pairs seen."""
     cy, ref = Scheduler(**cfg), ReferenceScheduler(**cfg)
-    prompt = np.arange(7, dtype=np.int32) % 3
     for sched in (cy, ref):
-        sched.add(0, prompt, 6, (), 3)
-        sched.add(3, prompt, 9)
-        sched.add(4, np.concatenate([prompt, [2, 2]]).astype(np.int32), 8, (STOP,))
+        sched.add(0, prompt, max_tokens[0], (), 3)
+        sched.add(3, prompt, max_tokens[1])
+        sched.add(4, np.concatenate([prompt, [2, 2]]).astype(np.int32), max_tokens[2],
+                  (STOP,))
     copies = 0
     while ref.has_unfinished():
         batch = step_both(cy, ref, lambda b: (b.sample_seq_ids % 3).astype(np.int32))
         copies += len(batch.copy_src)
         assert_same_state(cy, ref)
+        check_state_invariants(ref, cfg)
+    return ref, copies
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_reference_matches_on_a_crowded_pool_with_groups(chunked: bool) -> None:
+    """A fixed run that surely preempts, forks, copies on write and hits the prefix cache."""
+    cfg = {"num_blocks": 10, "block_size": 2, "max_num_seqs": 4, "max_num_batched_tokens": 8,
+           "max_model_len": 20, "enable_chunked_prefill": chunked, "enable_prefix_caching": True}
+    ref, copies = _run_fixed(cfg, np.arange(7, dtype=np.int32) % 3, (6, 9, 8))
     assert ref.num_preemptions > 0 and ref.num_prefix_hit_tokens > 0 and copies > 0
 
 
@@ -224,18 +234,9 @@ def test_reference_matches_with_a_window_past_the_pool(chunked: bool) -> None:
     cfg = {"num_blocks": 12, "block_size": 2, "max_num_seqs": 4, "max_num_batched_tokens": 6,
            "max_model_len": 60, "enable_chunked_prefill": chunked, "enable_prefix_caching": True,
            "sliding_window": 5}
-    cy, ref = Scheduler(**cfg), ReferenceScheduler(**cfg)
-    prompt = (np.arange(13, dtype=np.int32) * 7) % 5
-    for sched in (cy, ref):
-        sched.add(0, prompt, 30, (), 3)             # 43 tokens > the pool's 22 (null excluded)
-        sched.add(3, prompt, 20)                    # hits the first's blocks
-        sched.add(4, np.concatenate([prompt, [2, 2]]).astype(np.int32), 25, (STOP,))
-    copies = 0
-    while ref.has_unfinished():
-        batch = step_both(cy, ref, lambda b: (b.sample_seq_ids % 3).astype(np.int32))
-        copies += len(batch.copy_src)
-        assert_same_state(cy, ref)
-        check_state_invariants(ref, cfg)
+    # a group of 3 reaching 43 tokens (> the pool's 22, null block excluded), a request that
+    # hits its blocks, and a longer prompt
+    ref, copies = _run_fixed(cfg, (np.arange(13, dtype=np.int32) * 7) % 5, (30, 20, 25))
     assert ref.num_window_freed_blocks > 0 and ref.num_preemptions > 0
     assert ref.num_prefix_hit_tokens > 0 and copies > 0
     assert cy.num_free_blocks == cfg["num_blocks"] - 1
