@@ -86,6 +86,9 @@ def check_state_invariants(sched: Scheduler, cfg: dict[str, Any]) -> dict[str, A
             assert len(seq["block_ids"]) * cfg["block_size"] >= seq["num_computed"]
         assert seq["num_computed"] <= seq["num_tokens"] <= max(cfg["max_model_len"],
                                                                seq["num_prompt_tokens"] + 1)
+    cache = getattr(sched, "prefix_cache", None)
+    if null >= 0 and cache is not None and hasattr(cache, "prefix_of"):   # the reference's
+        assert null not in cache.prefix_of, "the null block was prefix-cached"
     for b in range(cfg["num_blocks"]):
         assert ref[b] == holders.get(b, 0), f"block {b}: ref {ref[b]} vs {holders.get(b, 0)} holders"
     assert sorted(free.tolist()) == sorted(b for b in np.flatnonzero(ref == 0).tolist()

@@ -151,6 +151,8 @@ class ReferenceScheduler:
     def _allocate(self, seq: ReferenceSequence, n: int, copies: list) -> bool:
         if self.sliding_window:     # the step's earliest query reads no key below `first`
             first = seq.num_computed - self.sliding_window + 1
+            if first >= self.block_size:   # a late-hashing forked sibling: register first
+                self._cache_full_blocks(seq)
             self.num_window_freed_blocks += self.allocator.remove_skipped_blocks(
                 seq.blocks, max(first, 0) // self.block_size)
         ok, copy = self.allocator.allocate_slots(seq.blocks, seq.num_computed, n)

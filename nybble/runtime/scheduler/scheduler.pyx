@@ -142,7 +142,13 @@ cdef class Scheduler:
         cdef int32_t src, dst, first = s.num_computed - self._window + 1
         cdef int rc
         if self._window > 0 and first >= self.block_size:
-            # the step's earliest query (num_computed) reads no key below `first`
+            # the step's earliest query (num_computed) reads no key below `first`. NOTE: a
+            # sibling forked after a step hashes the step's blocks late: register them
+            # before they leave (a null entry must never be cached)
+            if self.prefix_cache is not None:
+                self.prefix_cache.cache_full_blocks(table, seq_tokens(&self._seqs.st, s),
+                                                    s.num_computed, &s.num_hashed,
+                                                    &s.last_hash)
             rc = self._allocator.remove_skipped_blocks(table, s.num_blocks,
                                                        first // self.block_size)
             if rc < 0:

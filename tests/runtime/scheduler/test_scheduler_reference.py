@@ -137,7 +137,7 @@ class SchedulerMatchesReference(RuleBasedStateMachine):
     def teardown(self) -> None:
         if not hasattr(self, "cy"):
             return
-        for step in range(2000):
+        for step in range(4000):     # a windowed crowded pool at 1 token a step: ~2,100
             if not self.ref.has_unfinished():
                 break
             self.step(step, None)
@@ -166,7 +166,7 @@ class WindowedSchedulerMatchesReference(SchedulerMatchesReference):
         super().start(cfg, stem_seed)
         self.freed_cached = False
 
-    @rule(length=st.floats(0, 1), shared=st.floats(0, 1), max_tokens=st.integers(8, 40),
+    @rule(length=st.floats(0, 1), shared=st.floats(0, 1), max_tokens=st.integers(8, 24),
           num_samples=st.integers(1, 2), tail_seed=st.integers(0, 99))
     def add_long(self, length: float, shared: float, max_tokens: int, num_samples: int,
                  tail_seed: int) -> None:
@@ -239,4 +239,5 @@ def test_reference_matches_with_a_window_past_the_pool(chunked: bool) -> None:
     ref, copies = _run_fixed(cfg, (np.arange(13, dtype=np.int32) * 7) % 5, (30, 20, 25))
     assert ref.num_window_freed_blocks > 0 and ref.num_preemptions > 0
     assert ref.num_prefix_hit_tokens > 0 and copies > 0
-    assert cy.num_free_blocks == cfg["num_blocks"] - 1
+    assert ref.num_free_blocks == cfg["num_blocks"] - 1
+
