@@ -337,11 +337,14 @@ class ChatCompletionRequest(_SamplingFields, ChatOptions):
                                       "chat template applied, or LLM.beam_search offline",
                                       param="use_beam_search")
         if self.length_penalty not in (None, 1.0):
-            raise InvalidRequestError(f"length_penalty must be 1.0 unless use_beam_search is "
-                                      f"set, got {self.length_penalty}", param="length_penalty")
+            raise InvalidRequestError(f"length_penalty must be 1.0 or absent: it is a "
+                                      f"beam-search field, and /v1/chat/completions has no "
+                                      f"beam search, got {self.length_penalty}",
+                                      param="length_penalty")
         if self.early_stopping not in (None, False):
-            raise InvalidRequestError(f"early_stopping must be false unless use_beam_search "
-                                      f"is set, got {self.early_stopping!r}",
+            raise InvalidRequestError(f"early_stopping must be false or absent: it is a "
+                                      f"beam-search field, and /v1/chat/completions has no "
+                                      f"beam search, got {self.early_stopping!r}",
                                       param="early_stopping")
         return self
 

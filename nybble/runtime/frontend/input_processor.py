@@ -290,7 +290,8 @@ class InputProcessor:
         for name, neutral in _BEAM_NEUTRAL:   # NOTE: beams rank raw logprobs, unshaped
             value = getattr(p, name)
             if value is not None and value != neutral and value not in ({}, []):
-                raise _fail(name, f"unset with use_beam_search (not supported), or {neutral!r}",
+                also = "" if neutral is None else f"; {neutral!r} counts as unset"
+                raise _fail(name, f"unset with use_beam_search (beams do not support it{also})",
                             value)
         if not _is_real(p.length_penalty) or not abs(p.length_penalty) <= FLOAT32_MAX:
             raise _fail("length_penalty", "a finite number", p.length_penalty)
