@@ -41,11 +41,18 @@ def check_engine_matches_transformers(engine: LLMEngine, hf: torch.nn.Module,
     finals = run_requests(engine, [(k, ids, plain if k == "again" else scored)
                                    for k, ids in prompts.items()])
     assert engine.get_stats().num_cached_tokens_total >= 24
+    check_finals(finals, prompts, hf, tol, 8, unscored=("again",))
+    assert_idle_and_clean(engine)
+
+
+def check_finals(finals: dict, prompts: dict[str, list[int]], hf: torch.nn.Module, tol: float,
+                 num_new: int, unscored: tuple[str, ...] = ()) -> None:
+    """Each request's prompt logprobs (but the ``unscored`` ones') within ``tol`` of
+    transformers' and its ``num_new`` greedy tokens equal to transformers'."""
     for key, ids in prompts.items():
-        if key != "again":
+        if key not in unscored:
             ref = hf_logits(hf, ids).log_softmax(-1)
             got = finals[key].prompt_logprobs
             for i in range(1, len(ids)):
                 assert abs(got[i][ids[i]] - ref[i - 1, ids[i]].item()) < tol, (key, i)
-        assert finals[key].outputs[0].token_ids == hf_greedy(hf, ids, 8), key
-    assert_idle_and_clean(engine)
+        assert finals[key].outputs[0].token_ids == hf_greedy(hf, ids, num_new), key

@@ -14,7 +14,7 @@ from nybble.runtime.llm_engine import LLMEngine
 from tests.runtime.engine_helpers import assert_idle_and_clean, run_requests
 
 from .hf_families import WINDOW, make_family_model, random_model, save_with_tokenizer
-from .hf_reference import hf_greedy, hf_logits
+from .hf_reference import check_finals
 
 TOL = 1e-4
 NEW = 64
@@ -60,13 +60,7 @@ def test_sequences_longer_than_the_pool_equal_transformers(windowed) -> None:
     sched = core.scheduler
     assert sched.num_window_freed_blocks > 0 and sched.num_preemptions > 0
     assert engine.get_stats().num_cached_tokens_total > 0
-    for key, ids in prompts.items():
-        if key != "again":
-            ref = hf_logits(hf, ids).log_softmax(-1)
-            got = finals[key].prompt_logprobs
-            for i in range(1, len(ids)):
-                assert abs(got[i][ids[i]] - ref[i - 1, ids[i]].item()) < TOL, (key, i)
-        assert finals[key].outputs[0].token_ids == hf_greedy(hf, ids, NEW), key
+    check_finals(finals, prompts, hf, TOL, NEW, unscored=("again",))
     assert_idle_and_clean(engine)
     # the null block (0) stands for freed entries: read (masked out), never written
     for cache in core.runner.kv_caches:
