@@ -162,3 +162,24 @@ def test_extreme_products_stay_exact(bits, kind, sign) -> None:
     assert bool(((y_port.double() - y64).abs() <= bound).all())
     if _vnni():
         assert torch.equal(cpu_qgemm_pack.linear(x, packed, None), y_port)
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_activation_ties_round_half_to_even_on_every_path(kind) -> None:
+    """Activations that land exactly half-way between two integers (x / a = j + 1/2) round to
+    the even neighbour in the portable quantizer and in the vectorised one alike, so the
+    outputs of the two paths stay equal bit for bit."""
+    top = 127.0 if kind == "int8" else 16383.0
+    iw, scales, mins = _weight(4, 64, 32, 32, "sym", False, seed=7)
+    packed, _ = cpu_qgemm_pack.pack(iw, scales, mins, activations=kind)
+    x = torch.zeros(2, 64)
+    x[:, 0] = x[:, 32] = top                           # a = 1 in both blocks
+    x[:, 1:9] = torch.tensor([0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.5, -3.5])
+    x[:, 33:41] = torch.tensor([4.5, -4.5, 5.5, 6.5, -7.5, 8.5, 9.5, -10.5])
+    xq = cpu_qgemm_pack.quantize_activations(x, 32, KINDS[kind])
+    assert xq[0, 1:9].tolist() == [0, 2, 2, 0, -2, -2, 4, -4]
+    y_port = cpu_qgemm_pack.linear(x, packed, None, portable=True)
+    assert torch.allclose(y_port.double(), xq @ _exact(iw, scales, mins).t(), rtol=1e-5,
+                          atol=1e-3)
+    if _vnni():
+        assert torch.equal(cpu_qgemm_pack.linear(x, packed, None), y_port)
