@@ -88,6 +88,21 @@ typedef struct {
     int32_t *osum;
 } nyb_idx;
 
+/* Row m's per-group sums of the quantized activations, sx = sum_b a_b sum_k v[k] (fused
+ * multiply-adds in block order), from X's a and osum. */
+static inline __attribute__((always_inline)) void nyb_id_group_sums(const nyb_qw *W,
+                                                                    nyb_idx *X, int64_t m) {
+    const int64_t K = W->K, ab = nyb_id_ablock(W->group), NA = X->NA;
+    const int o = 1 << (W->bits - 1);
+    for (int64_t g = 0; g < W->G; g++) {
+        const int64_t ge = (g + 1) * W->group < K ? (g + 1) * W->group : K;
+        float t = 0.0f;
+        for (int64_t b = g * W->group / ab; b < (ge + ab - 1) / ab; b++)
+            t = fmaf(X->a[m * NA + b], (float)(X->osum[m * NA + b] / o), t);
+        X->sx[m * W->G + g] = t;
+    }
+}
+
 /* Quantize x [M, K] (row stride ldx; read through W->perm) into X (arrays allocated by the
  * caller). */
 static void nyb_id_quantize(const nyb_qw *W, const float *x, int64_t M, int64_t ldx,
@@ -121,13 +136,7 @@ static void nyb_id_quantize(const nyb_qw *W, const float *x, int64_t M, int64_t 
             X->a[m * NA + b] = amax / top;
             X->osum[m * NA + b] = o * sum;
         }
-        for (int64_t g = 0; g < W->G; g++) {
-            const int64_t ge = (g + 1) * W->group < K ? (g + 1) * W->group : K;
-            float t = 0.0f;
-            for (int64_t b = g * W->group / ab; b < (ge + ab - 1) / ab; b++)
-                t = fmaf(X->a[m * NA + b], (float)(X->osum[m * NA + b] / o), t);
-            X->sx[m * W->G + g] = t;
-        }
+        nyb_id_group_sums(W, X, m);
     }
 }
 
@@ -229,13 +238,7 @@ static NYB_VNNI_TARGET void nyb_id_quantize_avx512(const nyb_qw *W, const float 
             X->a[m * NA + b] = amax / top;
             X->osum[m * NA + b] = o * _mm512_reduce_add_epi32(vsum);
         }
-        for (int64_t g = 0; g < W->G; g++) {
-            const int64_t ge = (g + 1) * W->group < K ? (g + 1) * W->group : K;
-            float t = 0.0f;
-            for (int64_t b = g * W->group / ab; b < (ge + ab - 1) / ab; b++)
-                t = fmaf(X->a[m * NA + b], (float)(X->osum[m * NA + b] / o), t);
-            X->sx[m * W->G + g] = t;
-        }
+        nyb_id_group_sums(W, X, m);
     }
 }
 
