@@ -39,11 +39,12 @@ VARIANTS = {
 }
 
 
-def make_tiny_model(name: str, root: str, seed: int = 0) -> str:
-    """Write variant ``name`` (random weights, bundled tokenizer files) under ``root``."""
+def make_tiny_model(name: str, root: str, seed: int = 0, **overrides) -> str:
+    """Write variant ``name`` (random weights, bundled tokenizer files) under ``root``;
+    ``overrides`` replace config fields (e.g. ``hidden_size``, ``head_dim``)."""
     config_cls, model_cls, extra = VARIANTS[name]
     torch.manual_seed(seed)
-    config = config_cls(**_COMMON, **extra)
+    config = config_cls(**{**_COMMON, **extra, **overrides})
     model = model_cls(config).eval()
     # Make biases non-zero so a bias that is dropped shows up in the logits.
     with torch.no_grad():

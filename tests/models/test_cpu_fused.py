@@ -91,6 +91,32 @@ def test_fused_step_equals_the_torch_path(variant: str, tmp_path) -> None:
     torch.testing.assert_close(torch.from_numpy(out), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(2, 1, 72), (2, 2, 64), (4, 2, 12)])
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_fused_attention_of_every_head_size(heads, kv_heads, head_dim, tokens,
+                                            tmp_path) -> None:
+    """Head sizes the AVX2 attention takes 64 outputs at a time (64), 64 and then 8 (72), and
+    one it leaves to the plain loop (12, not a multiple of 8): one sequence (T == 1) and
+    several decode rows equal the torch path, and the portable loop agrees."""
+    path = make_tiny_model("llama-gqa", str(tmp_path), num_attention_heads=heads,
+                           num_key_value_heads=kv_heads, head_dim=head_dim)
+    model, caches = _setup(path)
+    assert model.layers[0].self_attn.head_dim == head_dim
+    _prefill(model, caches)
+    ids, pos, meta = _decode_meta(tokens)
+    torch_caches = [c.clone() for c in caches]
+    with torch.no_grad():
+        want = model(ids, pos, torch_caches, meta)
+    assert model.enable_fused_cpu_decode(caches).startswith("fused C step")
+    got = model(ids, pos, caches, meta)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    out = np.empty((tokens, model.config.hidden_size), np.float32)
+    model.fused_decode.decoder.forward(ids.numpy(), pos.numpy(), meta.slot_mapping.numpy(),
+                                       meta.block_tables.numpy(), meta.seq_lens.numpy(), out,
+                                       portable=True)
+    torch.testing.assert_close(torch.from_numpy(out), want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("variant", ["llama-gqa", "qwen2"])
 def test_small_model_prefill_and_chunks_equal_the_torch_path(variant: str, tmp_path) -> None:
     """A small model runs prefill fused too (a row per token, causal by its position): a

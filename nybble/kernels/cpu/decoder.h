@@ -223,6 +223,99 @@ NYB_INLINE void nyb_attend(const nyb_decoder *M, const float *keys, const float 
     }
 }
 
+#ifdef NYB_X86_AVX2
+#define NYB_AVX2_INLINE static inline __attribute__((always_inline, target("avx2,fma")))
+
+NYB_AVX2_INLINE float nyb_hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* out[h, d0 .. d0 + 8 NV) = sum_p pr[h, p] v_p[h / group, d0 ..]: the sums kept in NV
+ * registers over all positions, the cache walked block by block (no division per position). */
+NYB_AVX2_INLINE void nyb_attend_pv(const nyb_decoder *M, const float *values,
+                                   const int32_t *table, int64_t len, const float *pr,
+                                   int64_t kvh, int64_t d0, float *o, const int NV) {
+    const int64_t D = M->D, BS = M->BS, stride = M->Hkv * D;
+    __m256 acc[8];
+#pragma GCC unroll 8
+    for (int i = 0; i < NV; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t p0 = 0, blk = 0; p0 < len; p0 += BS, blk++) {
+        const float *v = values + (int64_t)table[blk] * BS * stride + kvh * D + d0;
+        const int64_t n = len - p0 < BS ? len - p0 : BS;
+        for (int64_t i = 0; i < n; i++, v += stride) {
+            const __m256 w = _mm256_set1_ps(pr[p0 + i]);
+#pragma GCC unroll 8
+            for (int r = 0; r < NV; r++)
+                acc[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * r), acc[r]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < NV; i++) _mm256_storeu_ps(o + d0 + 8 * i, acc[i]);
+}
+
+/* nyb_attend with AVX2 for head sizes that are multiples of 8 (else nyb_attend itself): each
+ * key row is read once per KV head and dotted with that head's query heads, the weighted sum
+ * of values kept in registers (64 outputs at a time) instead of read and written back per
+ * position.  Sums in a different order than nyb_attend, so the two differ in the last bits. */
+static __attribute__((target("avx2,fma"))) void nyb_attend_avx2(
+        const nyb_decoder *M, const float *keys, const float *values, const int32_t *table,
+        int64_t len, const float *q, float *out, float *work) {
+    const int64_t Hq = M->Hq, Hkv = M->Hkv, D = M->D, BS = M->BS, group = Hq / Hkv;
+    const int64_t stride = Hkv * D;
+    if (D % 8 != 0) {
+        nyb_attend(M, keys, values, table, len, q, out, work);
+        return;
+    }
+    for (int64_t p0 = 0, blk = 0; p0 < len; p0 += BS, blk++) {
+        const float *k = keys + (int64_t)table[blk] * BS * stride;
+        const int64_t n = len - p0 < BS ? len - p0 : BS;
+        /* the next block's rows, fetched while this block computes: blocks are scattered in
+         * the pool, so the hardware prefetchers restart at each one */
+        const int64_t next = len - p0 - BS < BS ? len - p0 - BS : BS;
+        const int64_t nbase = next > 0 ? (int64_t)table[blk + 1] * BS * stride : 0;
+        for (int64_t i = 0; i < n; i++, k += stride) {
+            if (i < next) {
+                const char *nk = (const char *)(keys + nbase + i * stride);
+                const char *nv = (const char *)(values + nbase + i * stride);
+                for (int64_t b = 0; b < stride * 4; b += 64) {
+                    _mm_prefetch(nk + b, _MM_HINT_T0);
+                    _mm_prefetch(nv + b, _MM_HINT_T1);
+                }
+            }
+            for (int64_t h = 0; h < Hq; h++) {
+                const float *qh = q + h * D, *kh = k + (h / group) * D;
+                __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+                int64_t d = 0;
+                for (; d + 16 <= D; d += 16) {
+                    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), _mm256_loadu_ps(kh + d), a0);
+                    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d + 8),
+                                         _mm256_loadu_ps(kh + d + 8), a1);
+                }
+                if (d < D)
+                    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), _mm256_loadu_ps(kh + d), a0);
+                work[h * len + p0 + i] = nyb_hsum8(_mm256_add_ps(a0, a1)) * M->scale;
+            }
+        }
+    }
+    for (int64_t h = 0; h < Hq; h++) {
+        float *row = work + h * len, mx = -INFINITY, total = 0.0f;
+        for (int64_t p = 0; p < len; p++) mx = row[p] > mx ? row[p] : mx;
+        for (int64_t p = 0; p < len; p++) { row[p] = nyb_expf(row[p] - mx); total += row[p]; }
+        const float inv = 1.0f / total;
+        for (int64_t p = 0; p < len; p++) row[p] *= inv;
+    }
+    for (int64_t h = 0; h < Hq; h++) {
+        int64_t d0 = 0;
+        for (; d0 + 64 <= D; d0 += 64)
+            nyb_attend_pv(M, values, table, len, work + h * len, h / group, d0, out + h * D, 8);
+        for (; d0 < D; d0 += 8)
+            nyb_attend_pv(M, values, table, len, work + h * len, h / group, d0, out + h * D, 1);
+    }
+}
+#endif
+
 /* The step's parallel parts (pool.h): a dense projection's output features in pairs, and the
  * attention of each sequence.  Each has an AVX2+FMA copy (the body inlined into a function
  * of that target) and a portable one; nyb_apply and the step pick by `portable`. */
@@ -277,7 +370,27 @@ static __attribute__((target("avx2,fma"))) void nyb_lin_range_avx2(void *ctx, in
 }
 static __attribute__((target("avx2,fma"))) void nyb_att_range_avx2(void *ctx, int64_t lo,
                                                                     int64_t hi) {
-    nyb_att_range_body(ctx, lo, hi);
+    nyb_att_job *j = (nyb_att_job *)ctx;
+    const nyb_decoder *M = j->M;
+    const int64_t cache_half = M->NB * M->BS * M->Hkv * M->D;
+    float *work = (float *)malloc(sizeof(float) * (size_t)(M->Hq * j->longest));
+    if (work == NULL) { atomic_store(&j->failed, 1); return; }
+    const int64_t stride = M->Hkv * M->D;
+    for (int64_t t = lo; t < hi; t++) {
+        if (t + 1 < hi) {   /* the next sequence's first block, while this one computes */
+            const int64_t rows = j->seq_lens[t + 1] < M->BS ? j->seq_lens[t + 1] : M->BS;
+            const char *k0 = (const char *)(j->ly->kv_cache
+                                            + (int64_t)j->tables[(t + 1) * j->MB] * M->BS * stride);
+            for (int64_t b = 0; b < rows * stride * 4; b += 64) {
+                _mm_prefetch(k0 + b, _MM_HINT_T1);
+                _mm_prefetch(k0 + cache_half * 4 + b, _MM_HINT_T1);
+            }
+        }
+        nyb_attend_avx2(M, j->ly->kv_cache, j->ly->kv_cache + cache_half,
+                        j->tables + t * j->MB, j->seq_lens[t], j->qkv + t * j->QKV,
+                        j->att + t * M->Hq * M->D, work);
+    }
+    free(work);
 }
 #define NYB_RANGE(name, portable) ((portable) ? name##_portable : name##_avx2)
 #else
@@ -379,8 +492,14 @@ NYB_INLINE int nyb_decode_body(const nyb_decoder *M, int64_t T, const int64_t *i
             }
         }
         if (T == 1) {
-            nyb_attend(M, ly->kv_cache, ly->kv_cache + cache_half, tables, seq_lens[0], qkv,
-                       att, work);
+#ifdef NYB_X86_AVX2
+            if (!portable && nyb_cpu_has_avx2_fma())
+                nyb_attend_avx2(M, ly->kv_cache, ly->kv_cache + cache_half, tables,
+                                seq_lens[0], qkv, att, work);
+            else
+#endif
+                nyb_attend(M, ly->kv_cache, ly->kv_cache + cache_half, tables, seq_lens[0],
+                           qkv, att, work);
         } else {   /* sequences over the pool's threads, each chunk with its own scores */
             nyb_att_job job = {M, ly, tables, seq_lens, MB, QKV, longest, qkv, att, 0};
             nyb_parallel_for(T, nyb_pool_chunk(T, 8), NYB_RANGE(nyb_att_range, portable), &job);
