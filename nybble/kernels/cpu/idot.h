@@ -273,11 +273,17 @@ NYB_ID_INLINE void nyb_id_tile(const nyb_qw *W, const nyb_idx *X, int64_t m0, in
             for (int c = 0; c < CB; c++) d[r][c] = _mm512_setzero_ps();
         for (int64_t kb = ks; kb < ke; kb += ab) {
             const int64_t kbe = kb + ab < ke ? kb + ab : ke, b = kb / ab;
+            /* the offset sum o * sum v starts in s1, so D below needs no subtraction */
             __m512i s0[4][8], s1[4][8];
 #pragma GCC unroll 4
-            for (int r = 0; r < R; r++)
+            for (int r = 0; r < R; r++) {
+                const __m512i nos = _mm512_set1_epi32(-X->osum[(m0 + r) * NA + b]);
 #pragma GCC unroll 8
-                for (int c = 0; c < CB; c++) s0[r][c] = s1[r][c] = _mm512_setzero_si512();
+                for (int c = 0; c < CB; c++) {
+                    s0[r][c] = _mm512_setzero_si512();
+                    s1[r][c] = nos;
+                }
+            }
             if (W->bits == 4) {
                 for (int64_t k = kb; k < kbe; k += 8) {
                     __m512i lo[8], hi[8];
@@ -329,14 +335,12 @@ NYB_ID_INLINE void nyb_id_tile(const nyb_qw *W, const nyb_idx *X, int64_t m0, in
             }
 #pragma GCC unroll 4
             for (int r = 0; r < R; r++) {
-                const __m512i os = _mm512_set1_epi32(X->osum[(m0 + r) * NA + b]);
                 const __m512 a = _mm512_set1_ps(X->a[(m0 + r) * NA + b]);
 #pragma GCC unroll 8
                 for (int c = 0; c < CB; c++) {
-                    __m512i D = P == 1 ? _mm512_add_epi32(s0[r][c], s1[r][c])
-                                       : _mm512_add_epi32(_mm512_slli_epi32(s0[r][c], 8),
-                                                          s1[r][c]);
-                    D = _mm512_sub_epi32(D, os);
+                    const __m512i D = P == 1 ? _mm512_add_epi32(s0[r][c], s1[r][c])
+                                             : _mm512_add_epi32(_mm512_slli_epi32(s0[r][c], 8),
+                                                                s1[r][c]);
                     d[r][c] = _mm512_fmadd_ps(a, _mm512_cvtepi32_ps(D), d[r][c]);
                 }
             }
