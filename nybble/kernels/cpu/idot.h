@@ -254,9 +254,13 @@ NYB_ID_INLINE __m512i nyb_id_dot(__m512i acc, __m512i w, const int8_t *x4) {
 }
 
 /* R rows (from m0) x CB column blocks (from jb0), all groups, P activation planes; the result
- * goes to the float32 tile yt [R][CB * 16] (which starts at zero). */
+ * goes to the float32 tile yt [R][CB * 16] (which starts at zero).  ONE: a group is one
+ * activation block (group 32, 16, 8 or 4), so d = a D is a product rather than a running sum
+ * (the same value: fma(a, D, +0) rounds a D once) and d need not stay live, in registers,
+ * through the block's dot products. */
 NYB_ID_INLINE void nyb_id_tile(const nyb_qw *W, const nyb_idx *X, int64_t m0, int64_t jb0,
-                               float *yt, const int R, const int CB, const int P) {
+                               float *yt, const int R, const int CB, const int P,
+                               const int ONE) {
     const int64_t K = W->K, ab = nyb_id_ablock(W->group), NA = X->NA;
     const __m512i mask = _mm512_set1_epi8(0x0f);
     __m512 tot[4][8];
@@ -341,7 +345,8 @@ NYB_ID_INLINE void nyb_id_tile(const nyb_qw *W, const nyb_idx *X, int64_t m0, in
                     const __m512i D = P == 1 ? _mm512_add_epi32(s0[r][c], s1[r][c])
                                              : _mm512_add_epi32(_mm512_slli_epi32(s0[r][c], 8),
                                                                 s1[r][c]);
-                    d[r][c] = _mm512_fmadd_ps(a, _mm512_cvtepi32_ps(D), d[r][c]);
+                    d[r][c] = ONE ? _mm512_mul_ps(a, _mm512_cvtepi32_ps(D))
+                                  : _mm512_fmadd_ps(a, _mm512_cvtepi32_ps(D), d[r][c]);
                 }
             }
         }
@@ -379,7 +384,8 @@ NYB_ID_INLINE void nyb_id_run(const nyb_qw *W, const nyb_idx *X, int64_t m0, int
                               float *y, int64_t ldy, const float *bias, int acc, const int R,
                               const int CB, const int P) {
     float yt[4 * 8 * NYB_QG_COLS];
-    nyb_id_tile(W, X, m0, jb0, yt, R, CB, P);
+    if (nyb_id_ablock(W->group) == W->group) nyb_id_tile(W, X, m0, jb0, yt, R, CB, P, 1);
+    else nyb_id_tile(W, X, m0, jb0, yt, R, CB, P, 0);
     for (int r = 0; r < R; r++)
         for (int c = 0; c < CB; c++) {
             const int64_t n0 = (jb0 + c) * NYB_QG_COLS;
