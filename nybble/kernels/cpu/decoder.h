@@ -189,6 +189,17 @@ NYB_INLINE void nyb_rope(float *x, int64_t heads, int64_t D, const float *cs, fl
     }
 }
 
+/* Softmax in place of each of the `heads` rows of `len` scores at work. */
+NYB_INLINE void nyb_softmax_rows(float *work, int64_t heads, int64_t len) {
+    for (int64_t h = 0; h < heads; h++) {
+        float *row = work + h * len, mx = -INFINITY, total = 0.0f;
+        for (int64_t p = 0; p < len; p++) mx = row[p] > mx ? row[p] : mx;
+        for (int64_t p = 0; p < len; p++) { row[p] = nyb_expf(row[p] - mx); total += row[p]; }
+        const float inv = 1.0f / total;
+        for (int64_t p = 0; p < len; p++) row[p] *= inv;
+    }
+}
+
 /* Decode attention of one token: q [Hq, D] over `len` cached positions -> out [Hq, D].
  * work: Hq * len floats. */
 NYB_INLINE void nyb_attend(const nyb_decoder *M, const float *keys, const float *values,
@@ -205,13 +216,7 @@ NYB_INLINE void nyb_attend(const nyb_decoder *M, const float *keys, const float 
             work[h * len + p] = s * M->scale;
         }
     }
-    for (int64_t h = 0; h < Hq; h++) {
-        float *row = work + h * len, mx = -INFINITY, total = 0.0f;
-        for (int64_t p = 0; p < len; p++) mx = row[p] > mx ? row[p] : mx;
-        for (int64_t p = 0; p < len; p++) { row[p] = nyb_expf(row[p] - mx); total += row[p]; }
-        const float inv = 1.0f / total;
-        for (int64_t p = 0; p < len; p++) row[p] *= inv;
-    }
+    nyb_softmax_rows(work, Hq, len);
     memset(out, 0, sizeof(float) * (size_t)(Hq * D));
     for (int64_t p = 0; p < len; p++) {
         const float *v = values + ((int64_t)table[p / BS] * BS + p % BS) * slot_stride;
@@ -299,13 +304,7 @@ static __attribute__((target("avx2,fma"))) void nyb_attend_avx2(
             }
         }
     }
-    for (int64_t h = 0; h < Hq; h++) {
-        float *row = work + h * len, mx = -INFINITY, total = 0.0f;
-        for (int64_t p = 0; p < len; p++) mx = row[p] > mx ? row[p] : mx;
-        for (int64_t p = 0; p < len; p++) { row[p] = nyb_expf(row[p] - mx); total += row[p]; }
-        const float inv = 1.0f / total;
-        for (int64_t p = 0; p < len; p++) row[p] *= inv;
-    }
+    nyb_softmax_rows(work, Hq, len);
     for (int64_t h = 0; h < Hq; h++) {
         int64_t d0 = 0;
         for (; d0 + 64 <= D; d0 += 64)
