@@ -344,15 +344,34 @@ typedef struct {
     _Atomic int failed;
 } nyb_att_job;
 
-NYB_INLINE void nyb_att_range_body(void *ctx, int64_t lo, int64_t hi) {
+/* Sequences lo .. hi of the step's attention; fast (a constant): nyb_attend_avx2, with the
+ * next sequence's first block prefetched while this one computes. */
+NYB_INLINE void nyb_att_range_body(void *ctx, int64_t lo, int64_t hi, const int fast) {
     nyb_att_job *j = (nyb_att_job *)ctx;
     const nyb_decoder *M = j->M;
-    const int64_t cache_half = M->NB * M->BS * M->Hkv * M->D;
+    const int64_t cache_half = M->NB * M->BS * M->Hkv * M->D, stride = M->Hkv * M->D;
     float *work = (float *)malloc(sizeof(float) * (size_t)(M->Hq * j->longest));
     if (work == NULL) { atomic_store(&j->failed, 1); return; }
-    for (int64_t t = lo; t < hi; t++)
-        nyb_attend(M, j->ly->kv_cache, j->ly->kv_cache + cache_half, j->tables + t * j->MB,
-                   j->seq_lens[t], j->qkv + t * j->QKV, j->att + t * M->Hq * M->D, work);
+    for (int64_t t = lo; t < hi; t++) {
+        const float *keys = j->ly->kv_cache, *values = keys + cache_half;
+#ifdef NYB_X86_AVX2
+        if (fast) {
+            if (t + 1 < hi) {
+                const int64_t rows = j->seq_lens[t + 1] < M->BS ? j->seq_lens[t + 1] : M->BS;
+                const int64_t first = (int64_t)j->tables[(t + 1) * j->MB] * M->BS * stride;
+                for (int64_t b = 0; b < rows * stride * 4; b += 64) {
+                    _mm_prefetch((const char *)(keys + first) + b, _MM_HINT_T1);
+                    _mm_prefetch((const char *)(values + first) + b, _MM_HINT_T1);
+                }
+            }
+            nyb_attend_avx2(M, keys, values, j->tables + t * j->MB, j->seq_lens[t],
+                            j->qkv + t * j->QKV, j->att + t * M->Hq * M->D, work);
+            continue;
+        }
+#endif
+        nyb_attend(M, keys, values, j->tables + t * j->MB, j->seq_lens[t],
+                   j->qkv + t * j->QKV, j->att + t * M->Hq * M->D, work);
+    }
     free(work);
 }
 
@@ -360,7 +379,7 @@ static void nyb_lin_range_portable(void *ctx, int64_t lo, int64_t hi) {
     nyb_lin_range_body(ctx, lo, hi);
 }
 static void nyb_att_range_portable(void *ctx, int64_t lo, int64_t hi) {
-    nyb_att_range_body(ctx, lo, hi);
+    nyb_att_range_body(ctx, lo, hi, 0);
 }
 #ifdef NYB_X86_AVX2
 static __attribute__((target("avx2,fma"))) void nyb_lin_range_avx2(void *ctx, int64_t lo,
@@ -369,27 +388,7 @@ static __attribute__((target("avx2,fma"))) void nyb_lin_range_avx2(void *ctx, in
 }
 static __attribute__((target("avx2,fma"))) void nyb_att_range_avx2(void *ctx, int64_t lo,
                                                                     int64_t hi) {
-    nyb_att_job *j = (nyb_att_job *)ctx;
-    const nyb_decoder *M = j->M;
-    const int64_t cache_half = M->NB * M->BS * M->Hkv * M->D;
-    float *work = (float *)malloc(sizeof(float) * (size_t)(M->Hq * j->longest));
-    if (work == NULL) { atomic_store(&j->failed, 1); return; }
-    const int64_t stride = M->Hkv * M->D;
-    for (int64_t t = lo; t < hi; t++) {
-        if (t + 1 < hi) {   /* the next sequence's first block, while this one computes */
-            const int64_t rows = j->seq_lens[t + 1] < M->BS ? j->seq_lens[t + 1] : M->BS;
-            const char *k0 = (const char *)(j->ly->kv_cache
-                                            + (int64_t)j->tables[(t + 1) * j->MB] * M->BS * stride);
-            for (int64_t b = 0; b < rows * stride * 4; b += 64) {
-                _mm_prefetch(k0 + b, _MM_HINT_T1);
-                _mm_prefetch(k0 + cache_half * 4 + b, _MM_HINT_T1);
-            }
-        }
-        nyb_attend_avx2(M, j->ly->kv_cache, j->ly->kv_cache + cache_half,
-                        j->tables + t * j->MB, j->seq_lens[t], j->qkv + t * j->QKV,
-                        j->att + t * M->Hq * M->D, work);
-    }
-    free(work);
+    nyb_att_range_body(ctx, lo, hi, 1);
 }
 #define NYB_RANGE(name, portable) ((portable) ? name##_portable : name##_avx2)
 #else
