@@ -38,7 +38,11 @@
  * (which do not cross 4 KiB pages) restart all CB streams at every tile.  Each unit load
  * therefore also prefetches the same unit of the next tile into L2 (one prefetch per 64-byte
  * line, the whole next tile in flight while this one computes): measured on SmolLM2's
- * projections at one row, ~6% less time (benchmarks/README.md).
+ * projections at one row, ~6% less time (benchmarks/README.md).  The scales (and zq / mo)
+ * are a second access pattern the hardware does not follow: a tile reads CB * 16 of them
+ * from each of G rows Np apart, one row per group, an eighth as many bytes as the 4-bit
+ * weight.  So each group's step also prefetches the next tile's row of that group: at one
+ * row ~10% less time for SmolLM2's projections and its 8-bit head (benchmarks/README.md).
  */
 #ifndef NYB_CPU_IDOT_H
 #define NYB_CPU_IDOT_H
@@ -247,6 +251,26 @@ NYB_ID_INLINE void nyb_id_prefetch(const nyb_qw *W, int64_t jb, int64_t u) {
     if (jb * NYB_QG_COLS < W->Np) _mm_prefetch((const char *)nyb_id_unit(W, jb, u), _MM_HINT_T1);
 }
 
+/* Prefetch into L2 every 64-byte line that bytes [p, e) touch. */
+NYB_ID_INLINE void nyb_id_prefetch_bytes(const void *p, const void *e) {
+    for (uintptr_t a = (uintptr_t)p & ~(uintptr_t)63; a < (uintptr_t)e; a += 64)
+        _mm_prefetch((const char *)a, _MM_HINT_T1);
+}
+
+/* Prefetch into L2 group g's scales (and zq or mo) of column blocks jb .. jb + ncb - 1, those
+ * that exist: one row of each [G, Np] array (see the header). */
+NYB_ID_INLINE void nyb_id_prefetch_group(const nyb_qw *W, int64_t g, int64_t jb, int64_t ncb) {
+    const int64_t n0 = jb * NYB_QG_COLS;
+    if (n0 >= W->Np) return;
+    const int64_t n1 = (jb + ncb) * NYB_QG_COLS < W->Np ? (jb + ncb) * NYB_QG_COLS : W->Np;
+    const int64_t gi = g * W->Np;
+    if (W->s16) nyb_id_prefetch_bytes((const uint16_t *)W->s + gi + n0,
+                                      (const uint16_t *)W->s + gi + n1);
+    else nyb_id_prefetch_bytes((const float *)W->s + gi + n0, (const float *)W->s + gi + n1);
+    if (W->mode == NYB_QG_MIN) nyb_id_prefetch_bytes(W->mo + gi + n0, W->mo + gi + n1);
+    else if (W->mode == NYB_QG_ZERO) nyb_id_prefetch_bytes(W->zq + gi + n0, W->zq + gi + n1);
+}
+
 NYB_ID_INLINE __m512i nyb_id_dot(__m512i acc, __m512i w, const int8_t *x4) {
     int32_t v;
     memcpy(&v, x4, 4);
@@ -270,6 +294,7 @@ NYB_ID_INLINE void nyb_id_tile(const nyb_qw *W, const nyb_idx *X, int64_t m0, in
         for (int c = 0; c < CB; c++) tot[r][c] = _mm512_setzero_ps();
     for (int64_t g = 0; g < W->G; g++) {
         const int64_t ks = g * W->group, ke = ks + W->group < K ? ks + W->group : K;
+        nyb_id_prefetch_group(W, g, jb0 + CB, CB);
         __m512 d[4][8];
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++)
