@@ -1,6 +1,7 @@
 """Held-out perplexity with a quantized KV cache, per model (docs/kv-cache.md).
 
-For each model and ``--kv-cache-dtype`` (``auto``: the fp32 cache, ``int8``, ``fp8_e4m3``):
+For each model and ``--kv-cache-dtype`` (``auto``: the fp32 cache, ``bfloat16``: a 2-byte one
+rounded to nearest even, no scales; ``int8``, ``fp8_e4m3``):
 nybble's own model (float32, CPU, the torch reference attention), the scales calibrated as the
 engine does at start-up (:func:`nybble.runtime.worker.kv_calibration.calibrate_kv_scales`, with
 and without the per-channel key smoothing), scored by ``nybble eval-ppl``'s protocol (every story with BOS, windows of 512 tokens advancing by 256).
@@ -75,8 +76,9 @@ def kv_perplexities(model_dir: str, text: str, dtypes: list[str],
     states: dict = {}
     for name in dtypes:
         cache_dtype = kv_storage_dtype(name, loaded.dtype)
-        for keys in (["float"] if name == "auto" else ["smoothed", "per-head"]):
-            if name == "auto":
+        unscaled = name in ("auto", "bfloat16")   # float caches: no scales to calibrate
+        for keys in (["float"] if unscaled else ["smoothed", "per-head"]):
+            if unscaled:
                 state = None
             else:
                 calibrate_kv_scales(loaded, cache_dtype, device, smooth_keys=keys == "smoothed")

@@ -35,7 +35,7 @@ CPU_PREFILL_GEMMS = ("auto", "bfloat16", "float32", "kernel")
 """What ``ModelConfig.cpu_prefill_gemm`` (``--cpu-prefill-gemm``) may be."""
 _ATTN_BACKENDS = ("auto", "cpu", "torch", "triton")
 _QUANT = (None, "awq", "gptq", "compressed-tensors", "gguf")
-KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "int8")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "fp8_e4m3", "int8")
 """Allowed ``kv_cache_dtype`` values (vLLM's ``--kv-cache-dtype`` names)."""
 
 
@@ -147,10 +147,13 @@ class CacheConfig:
             before (automatic prefix caching, vLLM's ``--enable-prefix-caching``); on by
             default, as in vLLM V1 (its cost on a workload with no shared prefix is in
             ``benchmarks/prefix_caching_cost.py``).
-        kv_cache_dtype: ``auto`` (the model's dtype), ``int8`` or ``fp8_e4m3``: one byte per
-            element with per-head scales calibrated at start-up, so a budget holds about
-            twice the tokens of a 16-bit cache (vLLM's ``--kv-cache-dtype``; see
-            docs/kv-cache.md).
+        kv_cache_dtype: ``auto`` (the model's dtype, except a float32 quantized model on the
+            CPU whose matmuls round activations, ``cpu_activation_dtype`` int16 / int8 /
+            bfloat16: ``bfloat16`` there), ``bfloat16`` (two bytes per element whatever the
+            model's dtype: half a float32 model's cache, rounded to nearest even on write),
+            ``float32``, ``int8`` or ``fp8_e4m3``: one byte per element with per-head scales
+            calibrated at start-up, so a budget holds about twice the tokens of a 16-bit cache
+            (vLLM's ``--kv-cache-dtype``; see docs/kv-cache.md).
     """
 
     block_size: int = 16

@@ -5,13 +5,13 @@ A small model's decode step on the CPU is dominated by per-op framework overhead
 microseconds per op for math that takes less): the bundled model's forward is ~1.1 ms of
 dispatch for ~20 MFLOP. The fused step runs the same arithmetic (float32, the model's own RoPE
 table, the same paged KV cache) with no dispatch between the pieces — what CUDA graphs do for
-a GPU decode step. It takes the steps of a model whose KV cache is float32 and whose linear
-layers are dense float32 or quantized ones packed for one of the CPU kernels: integer-dot or
+a GPU decode step. It takes the steps of a model whose KV cache is float32 or bfloat16
+(``--kv-cache-dtype bfloat16``) and whose linear layers are dense float32 or quantized ones packed for one of the CPU kernels: integer-dot or
 bf16-dot (:mod:`nybble.kernels.cpu.qgemm_pack`, the defaults on CPUs with AVX-512 VNNI / BF16)
 or float32
 weight-only (:mod:`nybble.kernels.cpu.weight_only`, the exact path and the default
 elsewhere); GGUF fused projections of up to four block types too; the token embedding dense
-or packed the same way. Half-precision weights, a quantized KV cache and ``torch.compile``
+or packed the same way. Half-precision weights, an int8 / fp8 KV cache and ``torch.compile``
 keep the torch path.
 
 A quantized model runs fused every step its torch path would run on the same kernels: every
@@ -70,6 +70,12 @@ def _array(t: torch.Tensor | None) -> np.ndarray | None:
 
 Weight = np.ndarray | list[QPacked] | list[CpuWeight]
 """A projection's weight as the C step takes it: float32 ``[out, in]`` or packed parts."""
+
+
+def _cache_array(cache: torch.Tensor) -> np.ndarray:
+    """A KV cache as the decoder takes it: float32, or a bfloat16 one's bits as uint16 (numpy
+    has no bfloat16); the same memory either way."""
+    return cache.view(torch.uint16).numpy() if cache.dtype == torch.bfloat16 else cache.numpy()
 
 
 def _packed(module: torch.nn.Module) -> QPacked | CpuWeight | None:
@@ -150,8 +156,10 @@ class FusedCpuDecode:
                           f"{model.embed_tokens.weight.dtype}")
         else:
             embed = _array(model.embed_tokens.weight)
-        if any(c.dtype != torch.float32 or not c.is_contiguous() for c in kv_caches):
-            return None, "the KV cache must be float32"
+        cache_dtype = kv_caches[0].dtype
+        if (cache_dtype not in (torch.float32, torch.bfloat16)
+                or any(c.dtype != cache_dtype or not c.is_contiguous() for c in kv_caches)):
+            return None, "the KV cache must be float32 or bfloat16"
         layers, quantized, weight_only = [], False, isinstance(embed, CpuWeight)
         integer = False
         for i, layer in enumerate(model.layers):
@@ -169,7 +177,7 @@ class FusedCpuDecode:
             (qkv_w, qkv_b), (o_w, o_b), (gu_w, gu_b), (down_w, down_b) = parts
             layers.append([_array(layer.input_layernorm.weight), qkv_w, qkv_b, o_w, o_b,
                            _array(layer.post_attention_layernorm.weight), gu_w, gu_b, down_w,
-                           down_b, kv_caches[i].numpy()])
+                           down_b, _cache_array(kv_caches[i])])
         attn0 = model.layers[0].self_attn
         eps = {layer.input_layernorm.eps for layer in model.layers}
         eps |= {layer.post_attention_layernorm.eps for layer in model.layers}

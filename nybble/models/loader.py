@@ -55,6 +55,9 @@ class LoadedModel:
         quant_description: one line describing the quantization, or ``"none"``.
         weight_bytes: bytes of all parameters and buffers (RoPE tables excluded).
         linear_weight_bytes: bytes of the linear layers' weights alone.
+        cpu_activations: on the CPU, what the quantized matmuls turn activations into
+            (``int16`` / ``int8`` / ``bfloat16``, or ``float32``: the exact path); None for a
+            model without quantized layers or on a GPU.
     """
 
     model: LlamaForCausalLM
@@ -66,6 +69,7 @@ class LoadedModel:
     quant_description: str
     weight_bytes: int
     linear_weight_bytes: int
+    cpu_activations: str | None = None
 
     @property
     def kv_free_window(self) -> int | None:
@@ -176,6 +180,18 @@ def cpu_prefill_rows(choice: str, activations: str) -> int | None:
     return PREFILL_ROWS
 
 
+def _cpu_activations(model: torch.nn.Module, source: object | None,
+                     device: torch.device) -> str | None:
+    """The resolved ``cpu_activation_dtype`` of a model with quantized layers (its GGUF
+    file's or quant config's path log) on the CPU, else None (a GPU, or no quantized layer:
+    an F32 / F16 GGUF)."""
+    if source is None or device.type != "cpu":
+        return None
+    if not any(hasattr(m, "path_log") for m in model.modules()):
+        return None
+    return source.path_log.activations
+
+
 def _set_activations(log: CpuPathLog, choice: str) -> None:
     """Set ``log.activations`` from ``--cpu-activation-dtype``."""
     log.activations = cpu_activations(choice)
@@ -263,7 +279,8 @@ def load_model(cfg: ModelConfig, backend: AttentionBackend, device: torch.device
                        eos_token_ids=eos_token_ids(folder, hf_config),
                        quant_description=(gguf.describe() if gguf is not None else
                                           quant.describe() if quant is not None else "none"),
-                       weight_bytes=_module_bytes(model), linear_weight_bytes=linear_bytes)
+                       weight_bytes=_module_bytes(model), linear_weight_bytes=linear_bytes,
+                       cpu_activations=_cpu_activations(model, gguf or quant, device))
 
 
 def _fused_targets(model: LlamaForCausalLM) -> dict[str, tuple[str, int]]:

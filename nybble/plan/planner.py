@@ -137,7 +137,7 @@ def _advice(plan: MemoryPlan, shape: ModelShape, tensors: dict[str, TensorInfo],
     elif plan.max_context > 0:
         out.append(f"lower --max-model-len to {plan.max_context} or less (one sequence of "
                    f"{plan.max_context} tokens fits)")
-    for kv_dtype in KV_CACHE_DTYPES[1:]:
+    for kv_dtype in (d for d in KV_CACHE_DTYPES if d not in ("auto", "float32")):
         if req.kv_cache_dtype == "auto":
             alt = plan_memory(shape, tensors, model_limit, replace(req, kv_cache_dtype=kv_dtype),
                               advise=False)
@@ -174,7 +174,8 @@ def format_plan(plan: MemoryPlan, model: str) -> str:
         f"floating tensors as {req.dtype})",
         f"KV cache dtype   {req.kv_cache_dtype}"
         + (f" ({req.dtype})" if req.kv_cache_dtype == "auto" else
-           f" (per-head scales): {gain:.2f}x the tokens of a {req.dtype} cache"),
+           f"{'' if req.kv_cache_dtype == 'bfloat16' else ' (per-head scales)'}: "
+           f"{gain:.2f}x the tokens of a {req.dtype} cache"),
         f"KV per token     {plan.kv_bytes_per_token} bytes "
         f"({plan.kv_bytes_per_token / 1024:.1f} KiB)",
         f"KV budget        {plan.kv_budget} bytes ({plan.kv_budget / mib:.1f} MiB: 90% of the "

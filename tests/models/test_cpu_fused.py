@@ -91,16 +91,18 @@ def test_fused_step_equals_the_torch_path(variant: str, tmp_path) -> None:
     torch.testing.assert_close(torch.from_numpy(out), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(2, 1, 72), (2, 2, 64), (4, 2, 12)])
 @pytest.mark.parametrize("tokens", [1, 3])
-def test_fused_attention_of_every_head_size(heads, kv_heads, head_dim, tokens,
+def test_fused_attention_of_every_head_size(heads, kv_heads, head_dim, tokens, kv_dtype,
                                             tmp_path) -> None:
     """Head sizes the AVX2 attention takes 64 outputs at a time (64), 64 and then 8 (72), and
     one it leaves to the plain loop (12, not a multiple of 8): one sequence (T == 1) and
-    several decode rows equal the torch path, and the portable loop agrees."""
+    several decode rows equal the torch path, and the portable loop agrees; so do the KV
+    writes, also to a bfloat16 cache (rounded to nearest even as torch's cast)."""
     path = make_tiny_model("llama-gqa", str(tmp_path), num_attention_heads=heads,
                            num_key_value_heads=kv_heads, head_dim=head_dim)
-    model, caches = _setup(path)
+    model, caches = _setup(path, kv_dtype)
     assert model.layers[0].self_attn.head_dim == head_dim
     _prefill(model, caches)
     ids, pos, meta = _decode_meta(tokens)
@@ -110,11 +112,37 @@ def test_fused_attention_of_every_head_size(heads, kv_heads, head_dim, tokens,
     assert model.enable_fused_cpu_decode(caches).startswith("fused C step")
     got = model(ids, pos, caches, meta)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # the same writes: float32 ones within the RoPE's last bits, bfloat16 ones within one
+    # bfloat16 step (a float32 key a last bit apart may round the other way)
+    tol = 1e-6 if kv_dtype == torch.float32 else 2.0**-8
+    for c, tc in zip(caches, torch_caches):
+        assert c.dtype == kv_dtype
+        torch.testing.assert_close(c.float(), tc.float(), rtol=tol, atol=1e-6)
     out = np.empty((tokens, model.config.hidden_size), np.float32)
     model.fused_decode.decoder.forward(ids.numpy(), pos.numpy(), meta.slot_mapping.numpy(),
                                        meta.block_tables.numpy(), meta.seq_lens.numpy(), out,
                                        portable=True)
     torch.testing.assert_close(torch.from_numpy(out), want, rtol=1e-5, atol=1e-5)
+
+
+def test_bfloat16_cache_holds_the_float32_step_writes_rounded_to_nearest_even(tmp_path) -> None:
+    """The same first decode step (three sequences at position 0) on a float32 cache and on a
+    bfloat16 one: the first layer's bfloat16 cache holds exactly torch's round-to-nearest-even
+    cast of what the float32 step wrote there (later layers' inputs already differ: at
+    position 0 a token's attention output is its own value, read back rounded), and the
+    outputs agree within bfloat16's precision."""
+    path = make_tiny_model("llama-gqa", str(tmp_path))
+    ids, pos = torch.tensor([42, 7, 311]), torch.zeros(3, dtype=torch.int64)
+    meta = _meta([_slot(t, 0) for t in TABLES], [0, 1, 2, 3], [1, 1, 1], TABLES)
+    outs, written = {}, {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model, caches = _setup(path, dtype)
+        assert model.enable_fused_cpu_decode(caches).startswith("fused C step")
+        outs[dtype], written[dtype] = model(ids, pos, caches, meta), caches
+    c32, c16 = written[torch.float32][0], written[torch.bfloat16][0]
+    assert c16.abs().sum() > 0
+    assert torch.equal(c32.to(torch.bfloat16).view(torch.int16), c16.view(torch.int16))
+    torch.testing.assert_close(outs[torch.bfloat16], outs[torch.float32], rtol=0.05, atol=0.05)
 
 
 @pytest.mark.parametrize("variant", ["llama-gqa", "qwen2"])
@@ -202,7 +230,8 @@ def test_bad_indices_raise_and_write_nothing(tmp_path) -> None:
 def test_models_it_cannot_take_say_why(tmp_path) -> None:
     path = make_tiny_model("llama-gqa", str(tmp_path))
     model, caches = _setup(path, kv_dtype=torch.int8)
-    assert FusedCpuDecode.build(model, caches) == (None, "the KV cache must be float32")
+    assert FusedCpuDecode.build(model, caches) == (None, "the KV cache must be float32 or "
+                                                         "bfloat16")
     model, caches = _setup(path)
     model.to(torch.float16)
     assert model.enable_fused_cpu_decode(caches).startswith("weights must be float32")

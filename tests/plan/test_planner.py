@@ -23,7 +23,8 @@ SHAPE = ModelShape.from_hf_config(load_hf_config(DEFAULT_MODEL))  # 5 layers, 4 
 TENSORS = checkpoint_tensors(DEFAULT_MODEL)
 
 
-@pytest.mark.parametrize("kv_dtype,elem", [("auto", 4), ("int8", 1), ("fp8_e4m3", 1)])
+@pytest.mark.parametrize("kv_dtype,elem", [("auto", 4), ("bfloat16", 2), ("int8", 1),
+                                           ("fp8_e4m3", 1)])
 def test_the_planner_sizes_the_pool_the_engine_allocates(kv_dtype: str, elem: int) -> None:
     """A real engine on the CPU with a byte budget: the planner's layout and block count are
     the allocation's, tensor by tensor."""
@@ -121,6 +122,11 @@ def test_cli_prints_the_plan(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert "KV cache dtype   int8 (per-head scales): 2.00x the tokens of a bfloat16 cache" in out
     assert f"KV per token     {per_token // 2} bytes" in out
+    assert main(["plan", DEFAULT_MODEL, "--gpu-memory", "64MiB", "--kv-cache-dtype", "bfloat16",
+                 "--dtype", "float32"]) == 0
+    out = capsys.readouterr().out
+    assert "KV cache dtype   bfloat16: 2.00x the tokens of a float32 cache" in out
+    assert f"KV per token     {per_token} bytes" in out
 
 
 def test_cli_says_what_to_change_when_nothing_fits(capsys: pytest.CaptureFixture[str]) -> None:

@@ -20,7 +20,8 @@
  * by one (nyb_qg_row, nyb_wo_row).
  *
  * Layouts: dense weights [out, in] row-major (torch's), biases [out] or NULL; the KV cache
- * [2, NB, BS, Hkv, D] C-contiguous; the RoPE table [P, 2, D] holds cos = [c, c] and
+ * [2, NB, BS, Hkv, D] C-contiguous, float32 or bfloat16 (kv_bf16: half the bytes a decode
+ * step's attention reads, which dominate long contexts and many sequences); the RoPE table [P, 2, D] holds cos = [c, c] and
  * sin = [-s, s] per position, so rotated x[i] = x[i] cos[i] + x[(i + D/2) % D] sin[i].
  * An x86-64 AVX2+FMA copy of the code is chosen at run time when the CPU has it.
  *
@@ -68,7 +69,7 @@ typedef struct {
     nyb_proj o;                        /* [H, Hq D] */
     nyb_proj gu;                       /* [2 FF, H] (gate rows first) */
     nyb_proj down;                     /* [H, FF] */
-    float *kv_cache;                   /* [2, NB, BS, Hkv, D] */
+    void *kv_cache;                    /* [2, NB, BS, Hkv, D] float32, or bfloat16 bits */
     nyb_lora lqkv, lo, lgu, ldown;     /* LoRA slots of the four projections */
 } nyb_layer;
 
@@ -82,6 +83,8 @@ typedef struct {
     const float *cos_sin;     /* [P, 2, D] */
     const nyb_layer *layers;  /* [L] */
     int64_t LS, LR;           /* LoRA: slots, and the largest R of a projection (0: none) */
+    int kv_bf16;              /* the KV cache holds bfloat16 (written rounded to nearest even,
+                               * read widened exactly) instead of float32 */
 } nyb_decoder;
 
 #define NYB_INLINE static inline __attribute__((always_inline))
@@ -200,32 +203,53 @@ NYB_INLINE void nyb_softmax_rows(float *work, int64_t heads, int64_t len) {
     }
 }
 
+/* Element i of a KV cache half (keys or values): float32, or bfloat16 bits widened (BF, a
+ * constant). */
+NYB_INLINE float nyb_kv_at(const void *kv, int64_t i, const int BF) {
+    return BF ? nyb_bf16_float(((const uint16_t *)kv)[i]) : ((const float *)kv)[i];
+}
+
 /* Decode attention of one token: q [Hq, D] over `len` cached positions -> out [Hq, D].
- * work: Hq * len floats. */
-NYB_INLINE void nyb_attend(const nyb_decoder *M, const float *keys, const float *values,
-                           const int32_t *table, int64_t len, const float *q, float *out,
-                           float *work) {
+ * keys, values: the cache's two halves (float32, or bfloat16 when BF).  work: Hq * len
+ * floats. */
+NYB_INLINE void nyb_attend_t(const nyb_decoder *M, const void *keys, const void *values,
+                             const int32_t *table, int64_t len, const float *q, float *out,
+                             float *work, const int BF) {
     const int64_t Hq = M->Hq, Hkv = M->Hkv, D = M->D, BS = M->BS, group = Hq / Hkv;
     const int64_t slot_stride = Hkv * D;
     for (int64_t p = 0; p < len; p++) {
-        const float *k = keys + ((int64_t)table[p / BS] * BS + p % BS) * slot_stride;
+        const int64_t k = ((int64_t)table[p / BS] * BS + p % BS) * slot_stride;
         for (int64_t h = 0; h < Hq; h++) {
-            const float *qh = q + h * D, *kh = k + (h / group) * D;
+            const float *qh = q + h * D;
+            const int64_t kh = k + (h / group) * D;
             float s = 0.0f;
-            for (int64_t d = 0; d < D; d++) s += qh[d] * kh[d];
+            for (int64_t d = 0; d < D; d++) s += qh[d] * nyb_kv_at(keys, kh + d, BF);
             work[h * len + p] = s * M->scale;
         }
     }
     nyb_softmax_rows(work, Hq, len);
     memset(out, 0, sizeof(float) * (size_t)(Hq * D));
     for (int64_t p = 0; p < len; p++) {
-        const float *v = values + ((int64_t)table[p / BS] * BS + p % BS) * slot_stride;
+        const int64_t v = ((int64_t)table[p / BS] * BS + p % BS) * slot_stride;
         for (int64_t h = 0; h < Hq; h++) {
-            const float pr = work[h * len + p], *vh = v + (h / group) * D;
+            const float pr = work[h * len + p];
+            const int64_t vh = v + (h / group) * D;
             float *o = out + h * D;
-            for (int64_t d = 0; d < D; d++) o[d] += pr * vh[d];
+            for (int64_t d = 0; d < D; d++) o[d] += pr * nyb_kv_at(values, vh + d, BF);
         }
     }
+}
+
+NYB_INLINE void nyb_attend(const nyb_decoder *M, const void *keys, const void *values,
+                           const int32_t *table, int64_t len, const float *q, float *out,
+                           float *work) {
+    if (M->kv_bf16) nyb_attend_t(M, keys, values, table, len, q, out, work, 1);
+    else nyb_attend_t(M, keys, values, table, len, q, out, work, 0);
+}
+
+/* The cache's value half: `half` elements after the keys. */
+NYB_INLINE const void *nyb_kv_values(const nyb_decoder *M, const void *keys, int64_t half) {
+    return (const char *)keys + half * (M->kv_bf16 ? 2 : 4);
 }
 
 #ifdef NYB_X86_AVX2
@@ -237,23 +261,33 @@ NYB_AVX2_INLINE float nyb_hsum8(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
+/* Eight elements i .. i + 7 of a KV cache half as float32 (bfloat16 widened when BF). */
+NYB_AVX2_INLINE __m256 nyb_kv_load8(const void *kv, int64_t i, const int BF) {
+    if (BF)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)kv + i))),
+            16));
+    return _mm256_loadu_ps((const float *)kv + i);
+}
+
 /* out[h, d0 .. d0 + 8 NV) = sum_p pr[h, p] v_p[h / group, d0 ..]: the sums kept in NV
  * registers over all positions, the cache walked block by block (no division per position). */
-NYB_AVX2_INLINE void nyb_attend_pv(const nyb_decoder *M, const float *values,
+NYB_AVX2_INLINE void nyb_attend_pv(const nyb_decoder *M, const void *values,
                                    const int32_t *table, int64_t len, const float *pr,
-                                   int64_t kvh, int64_t d0, float *o, const int NV) {
+                                   int64_t kvh, int64_t d0, float *o, const int NV,
+                                   const int BF) {
     const int64_t D = M->D, BS = M->BS, stride = M->Hkv * D;
     __m256 acc[8];
 #pragma GCC unroll 8
     for (int i = 0; i < NV; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t p0 = 0, blk = 0; p0 < len; p0 += BS, blk++) {
-        const float *v = values + (int64_t)table[blk] * BS * stride + kvh * D + d0;
+        int64_t v = (int64_t)table[blk] * BS * stride + kvh * D + d0;
         const int64_t n = len - p0 < BS ? len - p0 : BS;
         for (int64_t i = 0; i < n; i++, v += stride) {
             const __m256 w = _mm256_set1_ps(pr[p0 + i]);
 #pragma GCC unroll 8
             for (int r = 0; r < NV; r++)
-                acc[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * r), acc[r]);
+                acc[r] = _mm256_fmadd_ps(w, nyb_kv_load8(values, v + 8 * r, BF), acc[r]);
         }
     }
 #pragma GCC unroll 8
@@ -264,42 +298,41 @@ NYB_AVX2_INLINE void nyb_attend_pv(const nyb_decoder *M, const float *values,
  * key row is read once per KV head and dotted with that head's query heads, the weighted sum
  * of values kept in registers (64 outputs at a time) instead of read and written back per
  * position.  Sums in a different order than nyb_attend, so the two differ in the last bits. */
-static __attribute__((target("avx2,fma"))) void nyb_attend_avx2(
-        const nyb_decoder *M, const float *keys, const float *values, const int32_t *table,
-        int64_t len, const float *q, float *out, float *work) {
+NYB_AVX2_INLINE void nyb_attend_avx2_t(const nyb_decoder *M, const void *keys,
+                                       const void *values, const int32_t *table, int64_t len,
+                                       const float *q, float *out, float *work, const int BF) {
     const int64_t Hq = M->Hq, Hkv = M->Hkv, D = M->D, BS = M->BS, group = Hq / Hkv;
-    const int64_t stride = Hkv * D;
-    if (D % 8 != 0) {
-        nyb_attend(M, keys, values, table, len, q, out, work);
-        return;
-    }
+    const int64_t stride = Hkv * D, row_bytes = stride * (BF ? 2 : 4);
     for (int64_t p0 = 0, blk = 0; p0 < len; p0 += BS, blk++) {
-        const float *k = keys + (int64_t)table[blk] * BS * stride;
+        int64_t k = (int64_t)table[blk] * BS * stride;
         const int64_t n = len - p0 < BS ? len - p0 : BS;
         /* the next block's rows, fetched while this block computes: blocks are scattered in
          * the pool, so the hardware prefetchers restart at each one */
         const int64_t next = len - p0 - BS < BS ? len - p0 - BS : BS;
-        const int64_t nbase = next > 0 ? (int64_t)table[blk + 1] * BS * stride : 0;
+        const int64_t nbase = next > 0 ? (int64_t)table[blk + 1] * BS * row_bytes : 0;
         for (int64_t i = 0; i < n; i++, k += stride) {
             if (i < next) {
-                const char *nk = (const char *)(keys + nbase + i * stride);
-                const char *nv = (const char *)(values + nbase + i * stride);
-                for (int64_t b = 0; b < stride * 4; b += 64) {
+                const char *nk = (const char *)keys + nbase + i * row_bytes;
+                const char *nv = (const char *)values + nbase + i * row_bytes;
+                for (int64_t b = 0; b < row_bytes; b += 64) {
                     _mm_prefetch(nk + b, _MM_HINT_T0);
                     _mm_prefetch(nv + b, _MM_HINT_T1);
                 }
             }
             for (int64_t h = 0; h < Hq; h++) {
-                const float *qh = q + h * D, *kh = k + (h / group) * D;
+                const float *qh = q + h * D;
+                const int64_t kh = k + (h / group) * D;
                 __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
                 int64_t d = 0;
                 for (; d + 16 <= D; d += 16) {
-                    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), _mm256_loadu_ps(kh + d), a0);
+                    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), nyb_kv_load8(keys, kh + d, BF),
+                                         a0);
                     a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d + 8),
-                                         _mm256_loadu_ps(kh + d + 8), a1);
+                                         nyb_kv_load8(keys, kh + d + 8, BF), a1);
                 }
                 if (d < D)
-                    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), _mm256_loadu_ps(kh + d), a0);
+                    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), nyb_kv_load8(keys, kh + d, BF),
+                                         a0);
                 work[h * len + p0 + i] = nyb_hsum8(_mm256_add_ps(a0, a1)) * M->scale;
             }
         }
@@ -308,10 +341,20 @@ static __attribute__((target("avx2,fma"))) void nyb_attend_avx2(
     for (int64_t h = 0; h < Hq; h++) {
         int64_t d0 = 0;
         for (; d0 + 64 <= D; d0 += 64)
-            nyb_attend_pv(M, values, table, len, work + h * len, h / group, d0, out + h * D, 8);
+            nyb_attend_pv(M, values, table, len, work + h * len, h / group, d0, out + h * D, 8,
+                          BF);
         for (; d0 < D; d0 += 8)
-            nyb_attend_pv(M, values, table, len, work + h * len, h / group, d0, out + h * D, 1);
+            nyb_attend_pv(M, values, table, len, work + h * len, h / group, d0, out + h * D, 1,
+                          BF);
     }
+}
+
+static __attribute__((target("avx2,fma"))) void nyb_attend_avx2(
+        const nyb_decoder *M, const void *keys, const void *values, const int32_t *table,
+        int64_t len, const float *q, float *out, float *work) {
+    if (M->D % 8 != 0) nyb_attend(M, keys, values, table, len, q, out, work);
+    else if (M->kv_bf16) nyb_attend_avx2_t(M, keys, values, table, len, q, out, work, 1);
+    else nyb_attend_avx2_t(M, keys, values, table, len, q, out, work, 0);
 }
 #endif
 
@@ -349,19 +392,20 @@ typedef struct {
 NYB_INLINE void nyb_att_range_body(void *ctx, int64_t lo, int64_t hi, const int fast) {
     nyb_att_job *j = (nyb_att_job *)ctx;
     const nyb_decoder *M = j->M;
-    const int64_t cache_half = M->NB * M->BS * M->Hkv * M->D, stride = M->Hkv * M->D;
+    const int64_t cache_half = M->NB * M->BS * M->Hkv * M->D;
+    const int64_t row_bytes = M->Hkv * M->D * (M->kv_bf16 ? 2 : 4);
     float *work = (float *)malloc(sizeof(float) * (size_t)(M->Hq * j->longest));
     if (work == NULL) { atomic_store(&j->failed, 1); return; }
     for (int64_t t = lo; t < hi; t++) {
-        const float *keys = j->ly->kv_cache, *values = keys + cache_half;
+        const void *keys = j->ly->kv_cache, *values = nyb_kv_values(M, keys, cache_half);
 #ifdef NYB_X86_AVX2
         if (fast) {
             if (t + 1 < hi) {
                 const int64_t rows = j->seq_lens[t + 1] < M->BS ? j->seq_lens[t + 1] : M->BS;
-                const int64_t first = (int64_t)j->tables[(t + 1) * j->MB] * M->BS * stride;
-                for (int64_t b = 0; b < rows * stride * 4; b += 64) {
-                    _mm_prefetch((const char *)(keys + first) + b, _MM_HINT_T1);
-                    _mm_prefetch((const char *)(values + first) + b, _MM_HINT_T1);
+                const int64_t first = (int64_t)j->tables[(t + 1) * j->MB] * M->BS * row_bytes;
+                for (int64_t b = 0; b < rows * row_bytes; b += 64) {
+                    _mm_prefetch((const char *)keys + first + b, _MM_HINT_T1);
+                    _mm_prefetch((const char *)values + first + b, _MM_HINT_T1);
                 }
             }
             nyb_attend_avx2(M, keys, values, j->tables + t * j->MB, j->seq_lens[t],
@@ -484,20 +528,28 @@ NYB_INLINE int nyb_decode_body(const nyb_decoder *M, int64_t T, const int64_t *i
             float *qt = qkv + t * QKV, *kt = qt + Hq * D, *vt = kt + Hkv * D;
             nyb_rope(qt, Hq + Hkv, D, M->cos_sin + pos[t] * 2 * D, tmp);  /* q and k */
             if (slots[t] >= 0) {
-                memcpy(ly->kv_cache + slots[t] * Hkv * D, kt, sizeof(float) * (size_t)(Hkv * D));
-                memcpy(ly->kv_cache + cache_half + slots[t] * Hkv * D, vt,
-                       sizeof(float) * (size_t)(Hkv * D));
+                const int64_t at = slots[t] * Hkv * D;
+                if (M->kv_bf16) {   /* rounded to nearest even, as torch's cast */
+                    uint16_t *kc = (uint16_t *)ly->kv_cache + at, *vc = kc + cache_half;
+                    for (int64_t i = 0; i < Hkv * D; i++) {
+                        kc[i] = nyb_bf16_bits(kt[i]);
+                        vc[i] = nyb_bf16_bits(vt[i]);
+                    }
+                } else {
+                    float *kc = (float *)ly->kv_cache + at;
+                    memcpy(kc, kt, sizeof(float) * (size_t)(Hkv * D));
+                    memcpy(kc + cache_half, vt, sizeof(float) * (size_t)(Hkv * D));
+                }
             }
         }
+        const void *values = nyb_kv_values(M, ly->kv_cache, cache_half);
         if (T == 1) {
 #ifdef NYB_X86_AVX2
             if (!portable && nyb_cpu_has_avx2_fma())
-                nyb_attend_avx2(M, ly->kv_cache, ly->kv_cache + cache_half, tables,
-                                seq_lens[0], qkv, att, work);
+                nyb_attend_avx2(M, ly->kv_cache, values, tables, seq_lens[0], qkv, att, work);
             else
 #endif
-                nyb_attend(M, ly->kv_cache, ly->kv_cache + cache_half, tables, seq_lens[0],
-                           qkv, att, work);
+                nyb_attend(M, ly->kv_cache, values, tables, seq_lens[0], qkv, att, work);
         } else {   /* sequences over the pool's threads, each chunk with its own scores */
             nyb_att_job job = {M, ly, tables, seq_lens, MB, QKV, longest, qkv, att, 0};
             nyb_parallel_for(T, nyb_pool_chunk(T, 8), NYB_RANGE(nyb_att_range, portable), &job);

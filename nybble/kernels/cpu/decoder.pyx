@@ -40,7 +40,7 @@ cdef extern from "decoder.h" nogil:
         nyb_proj o
         nyb_proj gu
         nyb_proj down
-        float *kv_cache
+        void *kv_cache
         nyb_lora lqkv
         nyb_lora lo
         nyb_lora lgu
@@ -55,6 +55,7 @@ cdef extern from "decoder.h" nogil:
         const float *cos_sin
         const nyb_layer *layers
         int64_t LS, LR
+        int kv_bf16
     int nyb_decode_forward(const nyb_decoder *M, int64_t T, const int64_t *ids,
                            const int64_t *pos, const int64_t *slots, const int32_t *tables,
                            int64_t MB, const int32_t *seq_lens, const int64_t *lslots,
@@ -86,6 +87,19 @@ cdef const float *_ptr(object a, tuple shape, str name) except? NULL:
     return <const float *> cnp.PyArray_DATA(<cnp.ndarray> a)
 
 
+cdef void *_kv_ptr(object a, tuple shape, str name, bint bf16) except NULL:
+    """The data of a C-contiguous KV cache of ``shape``: float32, or (``bf16``) its bfloat16
+    bits as uint16."""
+    want = np.uint16 if bf16 else np.float32
+    if (not isinstance(a, np.ndarray) or a.dtype != want or not a.flags.c_contiguous
+            or a.shape != shape):
+        raise ValueError(f"{name} must be a C-contiguous {np.dtype(want).name} numpy array of "
+                         f"shape {shape} (every layer's cache of one dtype), got "
+                         f"{type(a).__name__} {getattr(a, 'dtype', None)} "
+                         f"{getattr(a, 'shape', None)}")
+    return cnp.PyArray_DATA(<cnp.ndarray> a)
+
+
 def _is_wo(p) -> bool:
     """A weight-only packed weight (``CpuWeight``: it has zeros), not a bf16-dot one."""
     return hasattr(p, "zeros")
@@ -108,7 +122,8 @@ cdef class CpuDecoder:
         layers: per layer, the arrays of :data:`LAYER_FIELDS`: norms ``[H]``, ``qkv_w
             [(Hq + 2 Hkv) D, H]``, ``o_w [H, Hq D]``, ``gu_w [2 I, H]``, ``down_w [H, I]``,
             biases ``[out]`` or None, ``kv_cache [2, NB, BS, Hkv, D]``; float32,
-            C-contiguous. Each ``*_w`` may instead be a list of 1 to :data:`MAX_PARTS`
+            C-contiguous (the caches may instead all be uint16: bfloat16 bits, written rounded
+            to nearest even and read widened). Each ``*_w`` may instead be a list of 1 to :data:`MAX_PARTS`
             packed weights of one kind (all ``QPacked`` or all ``CpuWeight``) of the same
             inputs whose outputs, concatenated, are the projection's.
         num_heads, num_kv_heads: ``Hq``, ``Hkv`` (``Hq % Hkv == 0``). eps: RMSNorm epsilon.
@@ -202,6 +217,7 @@ cdef class CpuDecoder:
         m.V, m.NB, m.BS, m.P = v, cache.shape[1], cache.shape[2], p
         m.eps, m.scale = eps, scale
         m.LS, m.LR = 0, 0
+        m.kv_bf16 = isinstance(cache, np.ndarray) and cache.dtype == np.uint16
         if lora is not None and len(lora) != len(layers):
             raise ValueError(f"lora must give one entry per layer ({len(layers)}), got "
                              f"{len(lora)}")
@@ -244,8 +260,8 @@ cdef class CpuDecoder:
             self._proj(&ly.o, a["o_w"], a["o_b"], h, num_heads * d, f"layer {i} o_w")
             self._proj(&ly.gu, a["gu_w"], a["gu_b"], 2 * inter, h, f"layer {i} gu_w")
             self._proj(&ly.down, a["down_w"], a["down_b"], h, inter, f"layer {i} down_w")
-            ly.kv_cache = <float *> _ptr(a["kv_cache"], (2, m.NB, m.BS, num_kv_heads, d),
-                                         f"layer {i} kv_cache")
+            ly.kv_cache = _kv_ptr(a["kv_cache"], (2, m.NB, m.BS, num_kv_heads, d),
+                                  f"layer {i} kv_cache", m.kv_bf16)
             ly.lqkv.a = ly.lo.a = ly.lgu.a = ly.ldown.a = NULL
             if lora is not None:
                 pairs = lora[i]

@@ -35,8 +35,8 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Te
     """Scatter new keys/values into the paged cache.
 
     Args:
-        key, value: ``[T, Hkv, D]``, the cache's dtype (any float dtype for a quantized
-            cache).
+        key, value: ``[T, Hkv, D]``, any float dtype (cast to a float cache's dtype, rounded
+            to nearest even; quantized for an ``int8`` / ``float8_e4m3fn`` cache).
         kv_cache: ``[2, NB, BS, Hkv, D]``, written in place.
         slot_mapping: ``[T]`` int64 flat slot per token; ``-1`` entries are skipped.
         kv_scale: ``[2, Hkv]`` float32 per-head scales of keys and values; needed when
@@ -64,6 +64,8 @@ def write_slots(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
     if is_quantized_cache(kv_cache):
         key = as_bytes(quantize_kv(key, _require(kv_scale)[0], kv_cache.dtype))
         value = as_bytes(quantize_kv(value, kv_scale[1], kv_cache.dtype))
+    else:   # NOTE: a cache of another float dtype (bfloat16 for a float32 model): rounded here
+        key, value = _cast(key, kv_cache.dtype), _cast(value, kv_cache.dtype)
     flat[0].index_copy_(0, slot_mapping, key)
     flat[1].index_copy_(0, slot_mapping, value)
 

@@ -129,8 +129,13 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Te
         raise ValueError(f"kv_cache must be [2, NB, BS, {key.shape[1]}, {key.shape[2]}], "
                          f"got {tuple(kv_cache.shape)}")
     quant = quant_mode(kv_cache)
-    if key.dtype != value.dtype or (not quant and key.dtype != kv_cache.dtype):
-        raise ValueError(f"key/value dtype must be the cache's {kv_cache.dtype}, got {key.dtype}")
+    if key.dtype != value.dtype or not key.dtype.is_floating_point:
+        raise ValueError(f"key and value must be of one float dtype, got {key.dtype} and "
+                         f"{value.dtype}")
+    if not quant and key.dtype != kv_cache.dtype:
+        # NOTE: a float cache of another dtype (--kv-cache-dtype bfloat16 under a float32
+        # model): torch's cast rounds to nearest even, as the reference write does
+        key, value = key.to(kv_cache.dtype), value.to(kv_cache.dtype)
     if slot_mapping.shape != (key.shape[0],):
         raise ValueError(f"slot_mapping must be [{key.shape[0]}], got {tuple(slot_mapping.shape)}")
     num_tokens, num_kv_heads, head_dim = key.shape

@@ -52,6 +52,9 @@ def _attn_stage(acc, l_i, m_i, q, q_pos, cache_ptr, bt_row, lo, hi, kvh_off, sca
         if QUANT != 0:
             k = (k.to(tl.float32) * k_scale).to(q.dtype)
             v = (v.to(tl.float32) * v_scale).to(q.dtype)
+        else:   # a no-op unless the float cache has another dtype (bfloat16, float32 model)
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
 
         qk = capped_log2_scores(dot(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT), scale, softcap,
                                 SOFTCAP)  # [M, N]
@@ -158,7 +161,7 @@ def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: A
 
     Args:
         query: ``[T, Hq, D]`` fp16/bf16/fp32, sequences concatenated per ``query_start_loc``.
-        kv_cache: ``[2, NB, BS, Hkv, D]``, same dtype, or ``int8`` / ``float8_e4m3fn``
+        kv_cache: ``[2, NB, BS, Hkv, D]``, any float dtype, or ``int8`` / ``float8_e4m3fn``
             (quantized, read through ``kv_scale``); already holds this step's keys/values.
         meta: batch layout (``query_start_loc [B+1]``, ``seq_lens [B]``, ``block_tables [B, MB]``,
             ``max_query_len``); ``q_len_b <= seq_len_b``.
@@ -182,8 +185,9 @@ def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: A
         raise ValueError(f"query [T, Hq, D] must match kv_cache [2, NB, BS, Hkv, D] with "
                          f"Hq % Hkv == 0, got {tuple(query.shape)} and {tuple(kv_cache.shape)}")
     quant = quant_mode(kv_cache)
-    if query.dtype != kv_cache.dtype and not quant:
-        raise ValueError(f"query dtype must be the cache's {kv_cache.dtype}, got {query.dtype}")
+    if not query.dtype.is_floating_point or not kv_cache.dtype.is_floating_point and not quant:
+        raise ValueError(f"query and kv_cache must be float tensors (or the cache int8), got "
+                         f"{query.dtype} and {kv_cache.dtype}")
     scales = scale_arg(kv_cache, kv_scale)
     check_device(query, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scales)
     if out is None:

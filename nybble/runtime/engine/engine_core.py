@@ -28,7 +28,7 @@ from nybble.runtime.engine.beam_core import BeamCoordinator, add_results
 from nybble.runtime.worker.draft_proposer import DraftProposer
 from nybble.runtime.scheduler.scheduler_input import pool_tokens, window_blocks
 from nybble.runtime.worker.kv_plan import (fit_max_model_len, is_quantized_kv, plan_kv_cache,
-                                           scheduler_window)
+                                           resolve_kv_cache_dtype, scheduler_window)
 from nybble.runtime.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -109,8 +109,18 @@ class EngineCore:
         if mc.max_logprobs > vocab:
             raise ValueError(f"max_logprobs must be <= {vocab} (the model's vocabulary), got "
                              f"{mc.max_logprobs}")
-        self.kv_spec = plan_kv_cache(config.cache_config, self.loaded.shard_shape,
-                                     self.loaded.dtype, self.device, self.loaded.max_model_len)
+        # NOTE: auto is bfloat16 for a quantized float32 model on the CPU's rounding path
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache_config.kv_cache_dtype,
+                                                     self.loaded.dtype,
+                                                     self.loaded.cpu_activations)
+        if self.kv_cache_dtype != config.cache_config.kv_cache_dtype:
+            logger.info("KV cache dtype auto: bfloat16 for a quantized model on the CPU's %s "
+                        "activation path (--kv-cache-dtype float32 keeps float32; "
+                        "--cpu-activation-dtype float32, the exact path, does too)",
+                        self.loaded.cpu_activations)
+        self.kv_spec = plan_kv_cache(
+            dataclasses.replace(config.cache_config, kv_cache_dtype=self.kv_cache_dtype),
+            self.loaded.shard_shape, self.loaded.dtype, self.device, self.loaded.max_model_len)
         # blocks out of a sliding window are freed (None: every block kept)
         self.kv_window = scheduler_window(self.loaded, config)
         self._fit_max_model_len(mc.max_model_len is not None)
@@ -210,9 +220,9 @@ class EngineCore:
                     str(loaded.dtype).replace("torch.", ""), self.device,
                     loaded.quant_description, loaded.weight_bytes,
                     loaded.weight_bytes / 2**20, loaded.linear_weight_bytes)
-        logger.info("KV cache: %d blocks x %d tokens, %d bytes/block, %.2f MiB in all; "
+        logger.info("KV cache: %d blocks x %d tokens, %s, %d bytes/block, %.2f MiB in all; "
                     "max_model_len %d; prefix caching %s", spec.num_blocks,
-                    spec.block_size, spec.bytes_per_block,
+                    spec.block_size, str(spec.dtype).replace("torch.", ""), spec.bytes_per_block,
                     spec.total_bytes / 2**20, self.max_model_len,
                     "on" if self.config.cache_config.enable_prefix_caching else "off")
         if self.kv_window is not None:
@@ -232,7 +242,7 @@ class EngineCore:
             logger.info("KV cache dtype %s (scales and key smoothing calibrated at start-up): "
                         "the pool holds %d tokens, %.2fx the %d tokens of a %s cache of the same "
                         "bytes",
-                        self.config.cache_config.kv_cache_dtype, pool_tokens,
+                        self.kv_cache_dtype, pool_tokens,
                         pool_tokens / max(plain, 1), plain,
                         str(loaded.dtype).replace("torch.", ""))
 

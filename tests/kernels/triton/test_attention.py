@@ -107,6 +107,29 @@ def test_reshape_and_cache_strided_key(device):
     assert torch.equal(flat[0, slots], qkv[:, 1]) and torch.equal(flat[1, slots], qkv[:, 2])
 
 
+def test_float32_model_on_a_bfloat16_cache(device):
+    """``--kv-cache-dtype bfloat16`` under a float32 model: the write stores torch's
+    round-to-nearest-even cast of the float32 keys and values; decode and prefill read the
+    bfloat16 values and attend in float32 (float64 oracle on the cache as stored)."""
+    query, kv_cache, meta = make_batch([(20, 1), (0, 5), (37, 1)], 16, 4, 2, 32,
+                                       torch.float32, device)
+    cache = kv_cache.to(torch.bfloat16)
+    before = cache.clone()
+    key = torch.randn(7, 2, 32, device=device)
+    value = torch.randn(7, 2, 32, device=device)
+    reshape_and_cache(key, value, cache, meta.slot_mapping)
+    flat, slots = cache.view(2, -1, 2, 32), meta.slot_mapping
+    assert torch.equal(flat[0, slots].view(torch.int16), key.to(torch.bfloat16).view(torch.int16))
+    assert torch.equal(flat[1, slots].view(torch.int16),
+                       value.to(torch.bfloat16).view(torch.int16))
+    untouched = torch.ones(flat.shape[1], dtype=torch.bool, device=device)
+    untouched[slots] = False
+    assert torch.equal(flat[:, untouched], before.view(2, -1, 2, 32)[:, untouched])
+    out = paged_prefill_attention(query, cache, meta, 32 ** -0.5)
+    assert out.dtype == torch.float32
+    check(out, oracle(query, cache, meta, 32 ** -0.5), torch.float32)
+
+
 DECODE_CASES = [
     # (block_size, Hq, Hkv, D, dtype, context lengths, partition_size)
     (16, 8, 4, 8, torch.float32, [1, 15, 17, 33], None),  # bundled model: D 8, GQA 2
