@@ -22,7 +22,7 @@ from nybble.distributed import channel
 from nybble.distributed.comm import single_rank
 from nybble.kernels.interface import AttentionBackend, AttentionMetadata
 from nybble.kernels.kv_quant import KeySmoothing
-from nybble.models.cpu_fused import FusedCpuDecode
+from nybble.models.cpu_fused import FusedCpuDecode, dense_head
 from nybble.errors import UnsupportedModelError
 from nybble.models.arch import ArchSpec
 from nybble.models.hf_config import HFConfig
@@ -350,7 +350,10 @@ class LlamaForCausalLM(nn.Module):
         if self.quant_head is not None:
             return self._softcapped(self.quant_head(hidden))
         if not self.layout.sharded:
-            return self._softcapped(nn.functional.linear(hidden, self._head_weight()))
+            weight = self._head_weight()
+            logits = dense_head(hidden, weight)   # a few rows of a float32 CPU head
+            return self._softcapped(nn.functional.linear(hidden, weight) if logits is None
+                                    else logits)
         if hidden.shape[0] == 0:    # a step that samples nothing (a prefill chunk): no command
             return hidden.new_empty(0, self.shape.vocab_size)
         channel.send(self.layout.tp, channel.Kind.LOGITS, tuple(hidden.shape), hidden)

@@ -96,6 +96,12 @@ NYB_INLINE void nyb_store(float *y, float s, const float *b, int64_t n, int acc)
     *y = (acc ? *y : 0.0f) + (s + (b ? b[n] : 0.0f));
 }
 
+/* Rows of fewer than 4 tokens stream each weight row pair once: the pair NYB_LIN_AHEAD pairs
+ * ahead is prefetched (into L2) while this one computes. */
+#ifndef NYB_LIN_AHEAD
+#define NYB_LIN_AHEAD 2
+#endif
+
 NYB_INLINE void nyb_linear(const float *x, int64_t T, int64_t K, const float *W,
                            const float *b, int64_t N, float *y, int64_t ldy, int acc) {
     int64_t n = 0;
@@ -120,6 +126,9 @@ NYB_INLINE void nyb_linear(const float *x, int64_t T, int64_t K, const float *W,
             nyb_store(yt + 3 * ldy, a3, b, n, acc);
             nyb_store(yt + 3 * ldy + 1, c3, b, n + 1, acc);
         }
+        if (T < 4 && n + 2 * NYB_LIN_AHEAD + 2 <= N)   /* see NYB_LIN_AHEAD */
+            for (int64_t i = 0; i < 2 * K; i += 16)
+                __builtin_prefetch(w0 + 2 * NYB_LIN_AHEAD * K + i, 0, 2);
         for (; t < T; t++) {
             const float *xt = x + t * K;
             float a = 0.0f, c = 0.0f;
@@ -588,6 +597,21 @@ static int nyb_decode_portable(const nyb_decoder *M, int64_t T, const int64_t *i
                                const int32_t *tables, int64_t MB, const int32_t *seq_lens,
                                const int64_t *lslots, float *out, float *buf) {
     return nyb_decode_body(M, T, ids, pos, slots, tables, MB, seq_lens, lslots, out, buf, 1);
+}
+
+/* y [T, N] = x [T, K] @ W^T for a dense float32 W [N, K] (row-major) outside a step: the
+ * step's own projection loop (weight rows in pairs over the pool's threads, the pairs ahead
+ * prefetched), for a float32 LM head. */
+static void nyb_dense_linear(const float *x, int64_t T, int64_t K, const float *W, int64_t N,
+                             float *y, int portable) {
+#ifdef NYB_X86_AVX2
+    portable = portable || !nyb_decoder_avx2();
+#else
+    portable = 1;
+#endif
+    nyb_lin_job job = {x, W, NULL, T, K, N, y, N, 0};
+    const int64_t pairs = (N + 1) / 2;
+    nyb_parallel_for(pairs, nyb_pool_chunk(pairs, 64), NYB_RANGE(nyb_lin_range, portable), &job);
 }
 
 /* Check the step's indices, then run it; lslots: each row's LoRA slot (-1: base), or NULL

@@ -60,6 +60,8 @@ cdef extern from "decoder.h" nogil:
                            const int64_t *pos, const int64_t *slots, const int32_t *tables,
                            int64_t MB, const int32_t *seq_lens, const int64_t *lslots,
                            float *out, int portable)
+    void nyb_dense_linear(const float *x, int64_t T, int64_t K, const float *W, int64_t N,
+                          float *y, int portable)
     int nyb_decoder_avx2()
 
 LAYER_FIELDS = ("in_norm", "qkv_w", "qkv_b", "o_w", "o_b", "post_norm", "gu_w", "gu_b",
@@ -68,6 +70,25 @@ LAYER_FIELDS = ("in_norm", "qkv_w", "qkv_b", "o_w", "o_b", "post_norm", "gu_w", 
 float32 array or a list of packed parts)."""
 MAX_PARTS = NYB_MAX_PARTS
 """Most packed parts one projection may have (their output features concatenated)."""
+
+
+def dense_linear(const float[:, ::1] x, const float[:, ::1] w, float[:, ::1] out,
+                 bint portable=False) -> None:
+    """``out [T, N] = x [T, K] @ w [N, K]^T`` in float32 with the fused step's projection loop
+    (weight rows in pairs, the pairs ahead prefetched: a GEMV that streams ``w`` at memory
+    speed, where a BLAS call on one row reached about half of it; used for a float32 LM head
+    of a few rows).
+
+    Raises:
+        ValueError: shapes that do not match.
+    """
+    cdef int64_t t = x.shape[0], k = x.shape[1], n = w.shape[0]
+    if w.shape[1] != k or out.shape[0] != t or out.shape[1] != n or t < 1:
+        raise ValueError(f"dense_linear needs x [T, K], w [N, K] and out [T, N], got "
+                         f"({x.shape[0]}, {x.shape[1]}), ({w.shape[0]}, {w.shape[1]}), "
+                         f"({out.shape[0]}, {out.shape[1]})")
+    with nogil:
+        nyb_dense_linear(&x[0, 0], t, k, &w[0, 0], n, &out[0, 0], portable)
 
 
 def have_avx2() -> bool:
