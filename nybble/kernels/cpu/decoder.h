@@ -435,8 +435,51 @@ static void nyb_att_range_portable(void *ctx, int64_t lo, int64_t hi) {
     nyb_att_range_body(ctx, lo, hi, 0);
 }
 #ifdef NYB_X86_AVX2
+/* One row (a decode step of one sequence, or a head's row): y[n] = x . W[n] for rows n0 ..
+ * n1, in pairs, four running sums of 8 (two per row), one prefetch per 64 bytes of each row
+ * of the pair NYB_LIN_AHEAD pairs ahead (spread over the loop rather than a burst). */
+NYB_AVX2_INLINE void nyb_gemv1_avx2(const float *x, int64_t K, const float *W, const float *b,
+                                    int64_t n0, int64_t n1, int64_t N, float *y, int acc) {
+    const int64_t ahead = 2 * NYB_LIN_AHEAD * K;
+    int64_t n = n0;
+    for (; n + 2 <= n1; n += 2) {
+        const float *w0 = W + n * K, *w1 = w0 + K;
+        const int pf = n + 2 * NYB_LIN_AHEAD + 2 <= N;
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+        __m256 c0 = _mm256_setzero_ps(), c1 = _mm256_setzero_ps();
+        int64_t k = 0;
+        for (; k + 16 <= K; k += 16) {
+            if (pf) {
+                _mm_prefetch((const char *)(w0 + ahead + k), _MM_HINT_T1);
+                _mm_prefetch((const char *)(w1 + ahead + k), _MM_HINT_T1);
+            }
+            const __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
+            a0 = _mm256_fmadd_ps(x0, _mm256_loadu_ps(w0 + k), a0);
+            a1 = _mm256_fmadd_ps(x1, _mm256_loadu_ps(w0 + k + 8), a1);
+            c0 = _mm256_fmadd_ps(x0, _mm256_loadu_ps(w1 + k), c0);
+            c1 = _mm256_fmadd_ps(x1, _mm256_loadu_ps(w1 + k + 8), c1);
+        }
+        float s0 = nyb_hsum8(_mm256_add_ps(a0, a1)), s1 = nyb_hsum8(_mm256_add_ps(c0, c1));
+        for (; k < K; k++) { s0 += x[k] * w0[k]; s1 += x[k] * w1[k]; }
+        nyb_store(y + n, s0, b, n, acc);
+        nyb_store(y + n + 1, s1, b, n + 1, acc);
+    }
+    for (; n < n1; n++) {
+        const float *w = W + n * K;
+        float s = 0.0f;
+        for (int64_t k = 0; k < K; k++) s += x[k] * w[k];
+        nyb_store(y + n, s, b, n, acc);
+    }
+}
+
 static __attribute__((target("avx2,fma"))) void nyb_lin_range_avx2(void *ctx, int64_t lo,
                                                                     int64_t hi) {
+    const nyb_lin_job *j = (const nyb_lin_job *)ctx;
+    if (j->T == 1) {
+        const int64_t n1 = 2 * hi < j->N ? 2 * hi : j->N;
+        nyb_gemv1_avx2(j->x, j->K, j->W, j->b, 2 * lo, n1, j->N, j->y, j->acc);
+        return;
+    }
     nyb_lin_range_body(ctx, lo, hi);
 }
 static __attribute__((target("avx2,fma"))) void nyb_att_range_avx2(void *ctx, int64_t lo,
