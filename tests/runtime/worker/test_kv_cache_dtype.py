@@ -28,7 +28,7 @@ from nybble.runtime.worker.kv_calibration import (
 from nybble.runtime.llm import LLM
 from nybble.sampling_params import SamplingParams
 from tests.conftest import shared_path
-from tests.runtime.engine_helpers import assert_idle_and_clean, make_engine
+from tests.runtime.engine_helpers import assert_idle_and_clean, make_engine, run_requests
 
 BUDGET = 4 << 20
 
@@ -95,13 +95,10 @@ def test_a_bfloat16_cache_holds_twice_the_tokens_and_runs_fused(
     assert not any("calibrated" in m for m in messages)
     assert any(m.startswith("CPU decode step: fused C step") for m in messages), messages
     params = SamplingParams(max_tokens=24, temperature=0.8, seed=1, n=2)
-    for i, prompt in enumerate(["Once upon a time", "The dog ran to the"]):
-        engine.add_request(str(i), prompt, params)
-    finished = []
-    while engine.has_unfinished_requests():
-        finished += [o for o in engine.step() if o.finished]
-    assert all(len(s.token_ids) == 24 for o in finished for s in o.outputs)
-    assert len(finished) == 2
+    done = run_requests(engine, [("0", "Once upon a time", params),
+                                 ("1", "The dog ran to the", params)])
+    assert sorted(done) == ["0", "1"]
+    assert all(len(s.token_ids) == 24 for o in done.values() for s in o.outputs)
     assert_idle_and_clean(engine)
 
 
