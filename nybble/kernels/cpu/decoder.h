@@ -21,8 +21,9 @@
  *
  * Layouts: dense weights [out, in] row-major (torch's), biases [out] or NULL; the KV cache
  * [2, NB, BS, Hkv, D] C-contiguous, float32 or bfloat16 (kv_bf16: half the bytes a decode
- * step's attention reads, which dominate long contexts and many sequences); the RoPE table [P, 2, D] holds cos = [c, c] and
- * sin = [-s, s] per position, so rotated x[i] = x[i] cos[i] + x[(i + D/2) % D] sin[i].
+ * step's attention reads, which dominate long contexts and many sequences); the RoPE table
+ * [P, 2, D] holds cos = [c, c] and sin = [-s, s] per position, so rotated
+ * x[i] = x[i] cos[i] + x[(i + D/2) % D] sin[i].
  * An x86-64 AVX2+FMA copy of the code is chosen at run time when the CPU has it.
  *
  * Multi-LoRA (Hu et al. 2021; batched as in S-LoRA / Punica): each projection may carry the
@@ -97,7 +98,10 @@ NYB_INLINE void nyb_store(float *y, float s, const float *b, int64_t n, int acc)
 }
 
 /* Rows of fewer than 4 tokens stream each weight row pair once: the pair NYB_LIN_AHEAD pairs
- * ahead is prefetched (into L2) while this one computes. */
+ * ahead is prefetched (into L2) while this one computes (here in one burst per pair; the
+ * one-row AVX2 GEMV, nyb_gemv1_avx2, spreads them over its loop).  SmolLM2-135M's float32
+ * projections at one row: 1, 2, 3, 4 and 8 pairs ahead measured, 2 best (38 -> 24 ms a step's
+ * 425 MB; benchmarks/README.md). */
 #ifndef NYB_LIN_AHEAD
 #define NYB_LIN_AHEAD 2
 #endif
