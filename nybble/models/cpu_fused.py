@@ -6,9 +6,9 @@ microseconds per op for math that takes less): the bundled model's forward is ~1
 dispatch for ~20 MFLOP. The fused step runs the same arithmetic (float32, the model's own RoPE
 table, the same paged KV cache) with no dispatch between the pieces — what CUDA graphs do for
 a GPU decode step. It takes the steps of a model whose KV cache is float32 or bfloat16
-(``--kv-cache-dtype bfloat16``) and whose linear layers are dense float32 or quantized ones packed for one of the CPU kernels: integer-dot or
-bf16-dot (:mod:`nybble.kernels.cpu.qgemm_pack`, the defaults on CPUs with AVX-512 VNNI / BF16)
-or float32
+(``--kv-cache-dtype bfloat16``) and whose linear layers are dense float32 or quantized ones
+packed for one of the CPU kernels: integer-dot or bf16-dot
+(:mod:`nybble.kernels.cpu.qgemm_pack`, the defaults on CPUs with AVX-512 VNNI / BF16) or float32
 weight-only (:mod:`nybble.kernels.cpu.weight_only`, the exact path and the default
 elsewhere); GGUF fused projections of up to four block types too; the token embedding dense
 or packed the same way. Half-precision weights, an int8 / fp8 KV cache and ``torch.compile``

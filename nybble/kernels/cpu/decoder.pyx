@@ -144,9 +144,10 @@ cdef class CpuDecoder:
             [(Hq + 2 Hkv) D, H]``, ``o_w [H, Hq D]``, ``gu_w [2 I, H]``, ``down_w [H, I]``,
             biases ``[out]`` or None, ``kv_cache [2, NB, BS, Hkv, D]``; float32,
             C-contiguous (the caches may instead all be uint16: bfloat16 bits, written rounded
-            to nearest even and read widened). Each ``*_w`` may instead be a list of 1 to :data:`MAX_PARTS`
-            packed weights of one kind (all ``QPacked`` or all ``CpuWeight``) of the same
-            inputs whose outputs, concatenated, are the projection's.
+            to nearest even and read widened). Each ``*_w`` may instead be a list of 1 to
+            :data:`MAX_PARTS` packed weights of one kind (all ``QPacked`` or all
+            ``CpuWeight``) of the same inputs whose outputs, concatenated, are the
+            projection's.
         num_heads, num_kv_heads: ``Hq``, ``Hkv`` (``Hq % Hkv == 0``). eps: RMSNorm epsilon.
         scale: the attention's softmax scale.
         lora: multi-LoRA slots, or None: per layer, for qkv, o, gate/up and down in that order,

@@ -34,8 +34,8 @@ BUDGET = 4 << 20
 
 
 def test_a_bad_value_lists_the_allowed_ones(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of auto, bfloat16, float32, fp8_e4m3, "
-                                         r"int8, got 'fp8'"):
+    with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of auto, bfloat16, "
+                                         r"float32, fp8_e4m3, int8, got 'fp8'"):
         LLM(kv_cache_dtype="fp8")
     with pytest.raises(SystemExit):
         main(["generate", "hi", "--kv-cache-dtype", "int4"])
