@@ -151,9 +151,10 @@ class CacheConfig:
             CPU whose matmuls round activations, ``cpu_activation_dtype`` int16 / int8 /
             bfloat16: ``bfloat16`` there), ``bfloat16`` (two bytes per element whatever the
             model's dtype: half a float32 model's cache, rounded to nearest even on write),
-            ``float32``, ``int8`` or ``fp8_e4m3``: one byte per element with per-head scales
-            calibrated at start-up, so a budget holds about twice the tokens of a 16-bit cache
-            (vLLM's ``--kv-cache-dtype``; see docs/kv-cache.md).
+            ``float32`` (four bytes: the exact cache, also on the CPU's rounding paths),
+            ``int8`` or ``fp8_e4m3`` (one byte per element with per-head scales calibrated at
+            start-up, so a budget holds about twice the tokens of a 16-bit cache); vLLM's
+            ``--kv-cache-dtype``; see docs/kv-cache.md.
     """
 
     block_size: int = 16

@@ -174,7 +174,7 @@ def format_plan(plan: MemoryPlan, model: str) -> str:
         f"floating tensors as {req.dtype})",
         f"KV cache dtype   {req.kv_cache_dtype}"
         + (f" ({req.dtype})" if req.kv_cache_dtype == "auto" else
-           f"{'' if req.kv_cache_dtype == 'bfloat16' else ' (per-head scales)'}: "
+           f"{' (per-head scales)' if req.kv_cache_dtype in ('int8', 'fp8_e4m3') else ''}: "
            f"{gain:.2f}x the tokens of a {req.dtype} cache"),
         f"KV per token     {plan.kv_bytes_per_token} bytes "
         f"({plan.kv_bytes_per_token / 1024:.1f} KiB)",

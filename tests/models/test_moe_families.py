@@ -59,8 +59,8 @@ def test_engine_matches_transformers(family, caplog) -> None:
         engine = LLMEngine.from_engine_args(path, max_num_batched_tokens=16, max_num_seqs=4,
                                             block_size=8)
     # the fused C step computes a Llama block only: the torch path runs, and the log says why
-    assert "CPU decode step: mixture-of-experts layers (the fused step computes a Llama " \
-           "block only)" in caplog.text
+    assert "CPU decode step: the torch path, not the fused C step: mixture-of-experts layers " \
+           "(the fused step computes a Llama block only)" in caplog.text
     assert engine.engine_core.runner.model.fused_decode is None
     check_engine_matches_transformers(engine, hf, TOL)
 

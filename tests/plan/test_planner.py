@@ -126,6 +126,10 @@ def test_cli_prints_the_plan(capsys: pytest.CaptureFixture[str]) -> None:
                  "--dtype", "float32"]) == 0
     out = capsys.readouterr().out
     assert "KV cache dtype   bfloat16: 2.00x the tokens of a float32 cache" in out
+    assert main(["plan", DEFAULT_MODEL, "--gpu-memory", "64MiB", "--kv-cache-dtype", "float32",
+                 "--dtype", "float32"]) == 0
+    assert "KV cache dtype   float32: 1.00x the tokens of a float32 cache" in \
+        capsys.readouterr().out
     assert f"KV per token     {per_token} bytes" in out
 
 

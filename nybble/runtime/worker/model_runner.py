@@ -127,8 +127,9 @@ class ModelRunner:
             self.model.compile_segments()
         elif device.type == "cpu" and not cc.enforce_eager and not loaded.model.layout.sharded:
             # NOTE: not under tensor parallelism: the fused step has no collectives
-            logger.info("CPU decode step: %s",
-                        self.model.enable_fused_cpu_decode(self.kv_caches))
+            how = self.model.enable_fused_cpu_decode(self.kv_caches)
+            logger.info("CPU decode step: %s", how if self.model.fused_decode is not None
+                        else f"the torch path, not the fused C step: {how}")
             if lora is not None and self.model.fused_decode is not None:
                 logger.info("CPU decode step with LoRA: the fused C step adds each row's "
                             "adapter from the model's %d slot(s)", lora.config.max_loras)
