@@ -68,12 +68,19 @@ DENSE_HEAD_ROWS = 4
 2026-12-06): one row 6.3-6.7 ms against 9.7-10.4 ms (torch's BLAS GEMV reads ~11 GB/s, the
 prefetching loop ~17 GB/s); from 4 rows the loop's register tiles carry no prefetch."""
 
+DENSE_HEAD_MIN_BYTES = 4 * 2**20
+"""Head bytes from which :func:`dense_head` applies: a head that stays in the CPU's caches is
+not memory-bound, and its call costs ~3 us more than torch's (the bundled model's
+[512, 64] head: 8 us against 5 us, on a ~100 us step)."""
+
 
 def dense_head(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     """``hidden [S, H] @ weight [V, H]^T`` (float32 logits ``[S, V]``) by the fused step's
-    prefetching projection loop, for a float32 CPU head and fewer than
-    :data:`DENSE_HEAD_ROWS` rows; None when that does not apply (the caller uses torch)."""
+    prefetching projection loop, for a float32 CPU head of at least
+    :data:`DENSE_HEAD_MIN_BYTES` and fewer than :data:`DENSE_HEAD_ROWS` rows; None when that
+    does not apply (the caller uses torch)."""
     if (dense_linear is None or not 0 < hidden.shape[0] < DENSE_HEAD_ROWS
+            or weight.numel() * 4 < DENSE_HEAD_MIN_BYTES
             or hidden.device.type != "cpu" or weight.device.type != "cpu"
             or hidden.dtype != torch.float32 or weight.dtype != torch.float32
             or not weight.is_contiguous()):

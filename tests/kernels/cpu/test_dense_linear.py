@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from nybble.kernels.cpu.decoder import dense_linear
-from nybble.models.cpu_fused import DENSE_HEAD_ROWS, dense_head
+from nybble.models.cpu_fused import DENSE_HEAD_MIN_BYTES, DENSE_HEAD_ROWS, dense_head
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
@@ -35,14 +35,15 @@ def test_dense_linear_checks_shapes() -> None:
         dense_linear(x, np.zeros((5, 7), np.float32), np.zeros((2, 5), np.float32))
 
 
-def test_dense_head_takes_few_float32_cpu_rows_only() -> None:
-    w = torch.randn(300, 64)
+def test_dense_head_takes_few_float32_cpu_rows_of_a_large_head_only() -> None:
+    w = torch.randn(DENSE_HEAD_MIN_BYTES // 4 // 64 + 3, 64)
     for rows in range(1, DENSE_HEAD_ROWS):
         h = torch.randn(rows, 64)
         got = dense_head(h, w)
-        assert got is not None and got.dtype == torch.float32 and got.shape == (rows, 300)
+        assert got is not None and got.dtype == torch.float32 and got.shape == (rows, len(w))
         torch.testing.assert_close(got, torch.nn.functional.linear(h, w), rtol=1e-5,
                                    atol=1e-5)
     assert dense_head(torch.randn(DENSE_HEAD_ROWS, 64), w) is None
     assert dense_head(torch.randn(1, 64, dtype=torch.float64), w.double()) is None
     assert dense_head(torch.randn(1, 64), w.t().contiguous().t()) is None  # not row-major
+    assert dense_head(torch.randn(1, 64), w[:100]) is None   # a head that stays in the caches
