@@ -37,6 +37,14 @@ _ATTN_BACKENDS = ("auto", "cpu", "torch", "triton")
 _QUANT = (None, "awq", "gptq", "compressed-tensors", "gguf")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "fp8_e4m3", "int8")
 """Allowed ``kv_cache_dtype`` values (vLLM's ``--kv-cache-dtype`` names)."""
+KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}
+"""Other names taken for a ``kv_cache_dtype`` (vLLM's ``fp8`` is its e4m3 format)."""
+
+
+def canonical_kv_cache_dtype(value: str) -> str:
+    """``value`` with an alias of :data:`KV_CACHE_DTYPE_ALIASES` replaced by its name (the
+    ``type`` of the ``--kv-cache-dtype`` flags, so ``fp8`` passes their choices)."""
+    return KV_CACHE_DTYPE_ALIASES.get(value, value) if isinstance(value, str) else value
 
 
 def _check(ok: bool, name: str, allowed: str, value: object) -> None:
@@ -164,6 +172,7 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "kv_cache_dtype", canonical_kv_cache_dtype(self.kv_cache_dtype))
         _check(self.block_size in (8, 16, 32), "block_size", "8, 16 or 32", self.block_size)
         _check(self.num_gpu_blocks is None or self.num_gpu_blocks >= 1,
                "num_gpu_blocks", ">= 1", self.num_gpu_blocks)

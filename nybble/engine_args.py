@@ -11,6 +11,7 @@ from nybble.config import (
     KV_CACHE_DTYPES,
     MAX_LORA_RANKS,
     EngineConfig,
+    canonical_kv_cache_dtype,
 )
 from nybble.threads import add_threads_arg
 
@@ -98,11 +99,12 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
                              "90%% of free memory on GPU; a model context that does not fit "
                              "lowers max-model-len)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                        type=canonical_kv_cache_dtype,
                         help="KV-cache storage: auto (the model's dtype; bfloat16 for a "
                              "quantized model on the CPU unless --cpu-activation-dtype is "
                              "float32), bfloat16 or float32 (2 or 4 bytes per element), int8 "
-                             "or fp8_e4m3 (one byte per element, per-head scales: about 2x "
-                             "a 16-bit cache's tokens)")
+                             "or fp8_e4m3 (also fp8; one byte per element, per-head scales: "
+                             "about 2x a 16-bit cache's tokens)")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=True,
                         help="reuse the KV cache of full blocks whose token prefix was "

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from nybble.config import KV_CACHE_DTYPES
+from nybble.config import KV_CACHE_DTYPES, canonical_kv_cache_dtype
 from nybble.engine_args import parse_bytes
 
 
@@ -27,6 +27,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="tokens per sequence, prompt + output (default: the model's "
                         "max_position_embeddings)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   type=canonical_kv_cache_dtype,
                    help="KV-cache storage (auto: the serving dtype)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="GPUs to split the model over, as `nybble serve --tensor-parallel-size` "

@@ -16,6 +16,7 @@ import torch
 
 import nybble
 from nybble.cli import main
+from nybble.config import DEFAULT_MODEL
 from nybble.kernels.kv_quant import QMAX
 from nybble.models.scoring import prefill_logits
 from nybble.runtime.worker.kv_plan import resolve_kv_cache_dtype
@@ -35,8 +36,8 @@ BUDGET = 4 << 20
 
 def test_a_bad_value_lists_the_allowed_ones(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of auto, bfloat16, "
-                                         r"float32, fp8_e4m3, int8, got 'fp8'"):
-        LLM(kv_cache_dtype="fp8")
+                                         r"float32, fp8_e4m3, int8, got 'fp16'"):
+        LLM(kv_cache_dtype="fp16")
     with pytest.raises(SystemExit):
         main(["generate", "hi", "--kv-cache-dtype", "int4"])
     err = capsys.readouterr().err
@@ -258,6 +259,24 @@ def test_the_bundled_model_keeps_its_perplexity_with_an_int8_cache() -> None:
     assert kl["auto", "float"] == 0
     for dtype in ("int8", "fp8_e4m3"):   # the distortion itself, not only its signed sum
         assert 0 < kl[dtype, "smoothed"] < kl[dtype, "per-head"] / 1.8, kl
+
+
+def test_vllms_fp8_name_is_fp8_e4m3() -> None:
+    """vLLM's ``--kv-cache-dtype fp8`` (its e4m3 format) is taken, on the flag and in the
+    Python API, and becomes ``fp8_e4m3``."""
+    import argparse
+
+    from nybble.config import CacheConfig
+    from nybble.engine_args import add_engine_args
+
+    assert CacheConfig(kv_cache_dtype="fp8").kv_cache_dtype == "fp8_e4m3"
+    engine = make_engine(kv_cache_memory=BUDGET, kv_cache_dtype="fp8").engine_core
+    assert engine.kv_spec.dtype == torch.float8_e4m3fn
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert parser.parse_args(["--kv-cache-dtype", "fp8"]).kv_cache_dtype == "fp8_e4m3"
+    assert main(["plan", DEFAULT_MODEL, "--gpu-memory", "64MiB", "--kv-cache-dtype",
+                 "fp8"]) == 0
 
 
 def test_the_flag_reaches_the_core_process() -> None:
