@@ -180,16 +180,12 @@ def cpu_prefill_rows(choice: str, activations: str) -> int | None:
     return PREFILL_ROWS
 
 
-def _cpu_activations(model: torch.nn.Module, source: object | None,
-                     device: torch.device) -> str | None:
-    """The resolved ``cpu_activation_dtype`` of a model with quantized layers (its GGUF
-    file's or quant config's path log) on the CPU, else None (a GPU, or no quantized layer:
-    an F32 / F16 GGUF)."""
-    if source is None or device.type != "cpu":
-        return None
-    if not any(hasattr(m, "path_log") for m in model.modules()):
-        return None
-    return source.path_log.activations
+def _cpu_activations(model: torch.nn.Module, device: torch.device) -> str | None:
+    """The resolved ``cpu_activation_dtype`` of a model with quantized layers on the CPU (the
+    path log its quantized modules share), else None (a GPU, or no quantized layer: a dense
+    model, an F32 / F16 GGUF)."""
+    log = next((m.path_log for m in model.modules() if hasattr(m, "path_log")), None)
+    return log.activations if log is not None and device.type == "cpu" else None
 
 
 def _set_activations(log: CpuPathLog, choice: str) -> None:
@@ -280,7 +276,7 @@ def load_model(cfg: ModelConfig, backend: AttentionBackend, device: torch.device
                        quant_description=(gguf.describe() if gguf is not None else
                                           quant.describe() if quant is not None else "none"),
                        weight_bytes=_module_bytes(model), linear_weight_bytes=linear_bytes,
-                       cpu_activations=_cpu_activations(model, gguf or quant, device))
+                       cpu_activations=_cpu_activations(model, device))
 
 
 def _fused_targets(model: LlamaForCausalLM) -> dict[str, tuple[str, int]]:

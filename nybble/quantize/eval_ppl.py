@@ -33,21 +33,21 @@ def nybble_model(model_dir: str, quantization: str | None = None,
     """nybble's own model for ``model_dir`` (what ``nybble serve`` runs), float32 on CPU, its
     quantized matmuls with ``cpu_activation_dtype`` activations (``ModelConfig``'s choices;
     ``float32`` is the exact path) and the KV cache dtype ``serve`` gives it by default
-    (bfloat16 on the rounding paths, :func:`~nybble.runtime.worker.kv_plan.resolve_kv_cache_dtype`):
-    ``(LoadedModel, logits function)``."""
+    (bfloat16 on the rounding paths,
+    :func:`~nybble.runtime.worker.kv_plan.resolve_kv_cache_dtype`): ``(LoadedModel, logits
+    function)``."""
     from nybble.config import ModelConfig
     from nybble.kernels import get_attention_backend
     from nybble.models.loader import load_model
     from nybble.models.scoring import prefill_logits
-    from nybble.runtime.worker.kv_plan import kv_storage_dtype, resolve_kv_cache_dtype
+    from nybble.runtime.worker.kv_plan import model_kv_storage_dtype
 
     device = torch.device("cpu")
     loaded = load_model(ModelConfig(model=model_dir, quantization=quantization,
                                     dtype="float32", device="cpu",
                                     cpu_activation_dtype=cpu_activation_dtype),
                         get_attention_backend("torch", device), device)
-    cache = kv_storage_dtype(resolve_kv_cache_dtype("auto", loaded.dtype,
-                                                    loaded.cpu_activations), loaded.dtype)
+    cache = model_kv_storage_dtype("auto", loaded.dtype, loaded.cpu_activations)
     return loaded, lambda ids: prefill_logits(loaded, [ids], device, cache)[0]
 
 

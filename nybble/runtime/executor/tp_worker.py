@@ -28,9 +28,8 @@ from nybble.models.lora import load_adapter_weights
 from nybble.models.loader import LoadedModel, load_model
 from nybble.oslimits import die_with_parent
 from nybble.runtime.scheduler.scheduler_input import pool_tokens
-from nybble.runtime.worker.kv_plan import (KVCacheSpec, fit_max_model_len, kv_storage_dtype,
-                                           resolve_kv_cache_dtype,
-                                           scheduler_window)
+from nybble.runtime.worker.kv_plan import (KVCacheSpec, fit_max_model_len,
+                                           model_kv_storage_dtype, scheduler_window)
 from nybble.runtime.worker.model_runner import ModelRunner
 from nybble.runtime.executor.step_payload import unpack_step
 
@@ -95,9 +94,8 @@ class TPWorker:
         shape = self.loaded.shard_shape
         cc = self.config.cache_config
         spec = KVCacheSpec(shape.num_layers, shape.num_kv_heads, shape.head_dim,
-                           kv_storage_dtype(resolve_kv_cache_dtype(
-                               cc.kv_cache_dtype, self.loaded.dtype, self.loaded.cpu_activations),
-                               self.loaded.dtype),
+                           model_kv_storage_dtype(cc.kv_cache_dtype, self.loaded.dtype,
+                                                  self.loaded.cpu_activations),
                            cc.block_size, num_blocks)
         # NOTE: rank 0's rule on the same numbers, so the block tables have one width
         pool = pool_tokens(num_blocks, cc.block_size, scheduler_window(self.loaded, self.config),

@@ -214,6 +214,14 @@ def kv_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dty
     return getattr(torch, name)
 
 
+def model_kv_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype,
+                           cpu_activations: str | None) -> torch.dtype:
+    """The torch dtype a loaded model's pool stores for ``kv_cache_dtype``:
+    :func:`resolve_kv_cache_dtype`, then :func:`kv_storage_dtype`."""
+    return kv_storage_dtype(resolve_kv_cache_dtype(kv_cache_dtype, model_dtype,
+                                                   cpu_activations), model_dtype)
+
+
 def is_quantized_kv(dtype: torch.dtype) -> bool:
     """Whether a cache of ``dtype`` holds quantized values (read through per-head scales)."""
     import torch
