@@ -43,3 +43,15 @@ def retain_freed_memory() -> bool:
     if not _applied:
         logger.debug("mallopt refused; large CPU temporaries may page-fault every step")
     return _applied
+
+
+def release_free_heap() -> bool:
+    """Give the heap's free pages back to the OS (glibc ``malloc_trim(0)``), e.g. after the
+    weights were copied elsewhere. Returns whether anything was released (False off glibc)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.malloc_trim(0))
+    except (OSError, AttributeError):
+        return False

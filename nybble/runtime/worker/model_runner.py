@@ -28,7 +28,8 @@ from nybble.models.loader import LoadedModel
 from nybble.runtime.scheduler.batch import ScheduledBatch
 from nybble.runtime.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from nybble.runtime.worker.draft_proposer import DraftProposer, decode_rows_metadata
-from nybble.runtime.worker.host_memory import retain_freed_memory
+from nybble.runtime.worker.host_memory import release_free_heap, retain_freed_memory
+from nybble.runtime.worker.weight_pages import place_weights_on_huge_pages
 from nybble.runtime.worker.kv_cache import allocate_kv_cache
 from nybble.runtime.worker.kv_plan import KVCacheSpec
 from nybble.runtime.worker.lora_manager import LoRAManager
@@ -84,6 +85,15 @@ class ModelRunnerOutput:
                                  self.grammar_ended, self.prompt_logprobs)
 
 
+def _place_weights(model: torch.nn.Module, what: str) -> None:
+    """Move the CPU model's streamed weights onto 2 MiB pages and log what happened."""
+    moved, huge = place_weights_on_huge_pages(model)
+    if moved:
+        logger.info("CPU weights of the %s on 2 MiB pages: %.1f MiB copied, %.1f MiB backed "
+                    "by huge pages (NYBBLE_CPU_HUGE_PAGES=0 keeps 4 KiB pages)", what,
+                    moved / 2**20, huge / 2**20)
+
+
 def _host(t: torch.Tensor | None) -> np.ndarray | None:
     return None if t is None else t.cpu().numpy()
 
@@ -109,6 +119,11 @@ class ModelRunner:
         self.spec = spec
         self.device = device
         if device.type == "cpu":
+            # before malloc keeps what it frees: the weights' old copies go back to the OS
+            _place_weights(self.model, "model")
+            if proposer is not None and proposer.model is not self.model:
+                _place_weights(proposer.model, "draft model")
+            release_free_heap()
             retain_freed_memory()
         self.kv_caches = allocate_kv_cache(spec, device)
         self.generator = torch.Generator(device=device).manual_seed(config.model_config.seed)
