@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from nybble.runtime.sample.sampler import SamplingBatch, filter_logits
+from nybble.runtime.sample.sampler import SamplingBatch, filter_logits, row_argmax
 
 
 @dataclass(slots=True)
@@ -120,7 +120,7 @@ def rejection_sample(logits: torch.Tensor, draft_ids: torch.Tensor, num_draft: n
     S, N, vocab = len(num_draft), logits.shape[0], logits.shape[1]
     m = num_draft.astype(np.int64)
     starts = np.cumsum(m + 1) - (m + 1)
-    target = logits.argmax(dim=-1)
+    target = row_argmax(logits)
     if not params.all_greedy:
         row_of = torch.from_numpy(np.repeat(np.arange(S), m + 1)).to(device)
         sub = _expand(params, row_of)
@@ -128,7 +128,7 @@ def rejection_sample(logits: torch.Tensor, draft_ids: torch.Tensor, num_draft: n
             rr = sub.random_rows
             probs = filter_logits(logits[rr], sub).softmax(dim=-1)
             noise = _noise(sub, positions[rr.cpu().numpy()].tolist(), vocab, generator, device)
-            target[rr] = (probs / noise).argmax(dim=-1)
+            target[rr] = row_argmax(probs / noise)
     # the acceptance arithmetic on the host: S rows of at most W = 1 + max m columns
     t, d = target.cpu().numpy(), draft_ids.cpu().numpy()
     W = int(m.max()) + 1 if S else 1

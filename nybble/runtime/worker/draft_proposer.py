@@ -37,6 +37,7 @@ import torch
 
 from nybble.kernels.interface import AttentionMetadata
 from nybble.models.loader import LoadedModel
+from nybble.runtime.sample.sampler import row_argmax
 from nybble.runtime.scheduler.batch import ScheduledBatch
 from nybble.runtime.worker.kv_cache import allocate_kv_cache
 from nybble.runtime.worker.kv_plan import KVCacheSpec
@@ -115,7 +116,7 @@ class DraftProposer:
             return np.zeros(0, np.int32)
         index = torch.from_numpy(rows.astype(np.int64)).to(self.device)
         logits = self.model.compute_logits(hidden.index_select(0, index))
-        return logits.argmax(dim=-1).to(torch.int32).cpu().numpy()
+        return row_argmax(logits.float()).to(torch.int32).cpu().numpy()
 
     @torch.inference_mode()
     def propose(self, batch: ScheduledBatch) -> None:

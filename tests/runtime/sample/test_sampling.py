@@ -116,3 +116,24 @@ def test_n_samples_share_prompt_blocks(engine: LLMEngine) -> None:
     assert len({tuple(o.token_ids) for o in outs}) > 1  # samples differ
     stats = engine.get_stats()
     assert stats.num_free_blocks == stats.num_blocks
+
+
+def test_row_argmax_is_torch_argmax() -> None:
+    """The numpy route of row_argmax answers what torch.argmax answers: first index on ties,
+    a NaN as the largest, all -inf rows, strided input; other dtypes take torch's own."""
+    from nybble.runtime.sample.sampler import row_argmax
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 1000, generator=g)
+    x[1, 10] = x[1, 500] = 50.0                       # a tie: the first wins
+    x[2, 7] = float("nan")
+    x[2, 3] = float("nan")
+    x[3] = float("-inf")
+    x[4, 999] = float("inf")
+    x[5] = 0.0
+    for t in (x, x[:, ::3], x.t().contiguous().t(), x.bfloat16(), x.double()):
+        got = row_argmax(t)
+        assert got.dtype == torch.int64 and torch.equal(got, t.argmax(dim=-1))
+    assert row_argmax(x).tolist()[:4] == [int(x[0].argmax()), 10, 3, 0]
+    out = row_argmax(x)
+    out[0] = 1                                        # writable, as the sampler assigns rows
