@@ -37,7 +37,8 @@ tokens per slot (``-c`` = slots x that), nybble ``--max-model-len`` and ``--kv-c
 so every stream of every workload runs at once on both.
 
 The run also measures the read bandwidth of each thread count (``_bandwidth.py``: a 512 MiB
-float32 GEMV on that many torch threads, before and after the servers; the best call counts)
+float32 GEMV: torch's on 4 KiB and on 2 MiB pages, nybble's one-row loop on 2 MiB pages, on
+that many threads, before and after the servers; the best call of any counts)
 and reports batch-1 decode (the ``1xM`` workload) as a percentage of the weight-bandwidth limit:
 that bandwidth / bytes of weights read per token, counted from the files as stored
 (``_weight_bytes.py``: linear weights, scales and zero points, norms, the head as stored).
@@ -220,8 +221,10 @@ def main() -> None:  # noqa: C901 - one linear script
     started = time.time()
     bandwidth = {t: [read_bandwidth(args.bandwidth_mib << 20, threads=t)] for t in threads}
     for t in threads:
-        print(f"read bandwidth, {t} thread(s): {bandwidth[t][0]['gemv_best_gb_s']:.1f} GB/s "
-              f"(GEMV best)", flush=True)
+        b = bandwidth[t][0]
+        print(f"read bandwidth, {t} thread(s), GB/s: torch mv {b['gemv_best_gb_s']:.1f} on 4 KiB "
+              f"pages, {b['gemv_huge_best_gb_s']:.1f} on 2 MiB pages; nybble's one-row GEMV "
+              f"{b.get('stream_huge_best_gb_s', float('nan')):.1f} on 2 MiB pages", flush=True)
     common_args = ("--max-model-len", str(args.max_model_len), "--kv-cache-memory",
                    args.kv_cache_memory, *args.serve_args.split())
     runs: dict[str, Any] = {}
@@ -253,7 +256,7 @@ def main() -> None:  # noqa: C901 - one linear script
                                   f"{res['figure']:8.1f} tok/s (load {load:.2f})", flush=True)
     for t in threads:
         bandwidth[t].append(read_bandwidth(args.bandwidth_mib << 20, threads=t))
-    bw = {t: max(b["gemv_best_gb_s"] for b in bandwidth[t]) * 1e9 for t in threads}
+    bw = {t: max(b["limit_gb_s"] for b in bandwidth[t]) * 1e9 for t in threads}
 
     rows, bw_rows, bad_runs = [], [], 0
     for t in threads:
@@ -290,7 +293,7 @@ def main() -> None:  # noqa: C901 - one linear script
                       f"{args.rounds} alternating rounds, load {lo:.2f}-{hi:.2f}")
     if bw_rows:
         print_table(bw_rows, "batch-1 decode vs the weight-bandwidth limit (read bandwidth "
-                             "of that many threads, GEMV best)")
+                             "of that many threads, the best GEMV)")
     write_json(args.output, {
         "rounds": args.rounds, "threads": threads, "models": models,
         "workloads": [w.__dict__ for w in workloads], "load_avg_1m_range": [lo, hi],

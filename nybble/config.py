@@ -39,6 +39,8 @@ KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "fp8_e4m3", "int8")
 """Allowed ``kv_cache_dtype`` values (vLLM's ``--kv-cache-dtype`` names)."""
 KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}
 """Other names taken for a ``kv_cache_dtype`` (vLLM's ``fp8`` is its e4m3 format)."""
+KV_CACHE_DTYPE_FLAG_CHOICES = (*KV_CACHE_DTYPES, *KV_CACHE_DTYPE_ALIASES)
+"""What the ``--kv-cache-dtype`` flags accept and list (names, then aliases)."""
 
 
 def canonical_kv_cache_dtype(value: str) -> str:

@@ -8,7 +8,7 @@ from nybble.config import (
     CPU_PREFILL_GEMMS,
     DEFAULT_MODEL,
     DISTRIBUTED_EXECUTOR_BACKENDS,
-    KV_CACHE_DTYPES,
+    KV_CACHE_DTYPE_FLAG_CHOICES,
     MAX_LORA_RANKS,
     EngineConfig,
     canonical_kv_cache_dtype,
@@ -98,7 +98,8 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
                              "grown to one max-model-len sequence within a quarter of RAM; "
                              "90%% of free memory on GPU; a model context that does not fit "
                              "lowers max-model-len)")
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        choices=list(KV_CACHE_DTYPE_FLAG_CHOICES),
                         type=canonical_kv_cache_dtype,
                         help="KV-cache storage: auto (the model's dtype; bfloat16 for a "
                              "quantized model on the CPU unless --cpu-activation-dtype is "

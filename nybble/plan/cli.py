@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from nybble.config import KV_CACHE_DTYPES, canonical_kv_cache_dtype
+from nybble.config import DEFAULT_MODEL, KV_CACHE_DTYPE_FLAG_CHOICES, canonical_kv_cache_dtype
 from nybble.engine_args import parse_bytes
 
 
@@ -20,13 +20,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "quantization), KV-cache bytes per token, how many sequences fit, the "
                     "longest context, and what to change when nothing fits. Uses the "
                     "engine's own KV-pool sizing; loads no weights.")
-    p.add_argument("model", metavar="MODEL", help="model folder (config.json + *.safetensors) or a .gguf file")
+    p.add_argument("model", metavar="MODEL", nargs="?", default=DEFAULT_MODEL,
+                   help="model folder (config.json + *.safetensors) or a .gguf file; default: "
+                        "the bundled stories260k model")
     p.add_argument("--gpu-memory", type=parse_bytes, default=parse_bytes("16GiB"),
                    help="memory of one GPU, e.g. 24GiB (default: 16GiB)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="tokens per sequence, prompt + output (default: the model's "
                         "max_position_embeddings)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   choices=list(KV_CACHE_DTYPE_FLAG_CHOICES),
                    type=canonical_kv_cache_dtype,
                    help="KV-cache storage (auto: the serving dtype)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,

@@ -154,7 +154,13 @@ def test_cli_refuses_a_bad_kv_dtype(capsys: pytest.CaptureFixture[str]) -> None:
         main(["plan", DEFAULT_MODEL, "--kv-cache-dtype", "fp4"])
     err = capsys.readouterr().err
     assert "argument --kv-cache-dtype: invalid choice: 'fp4'" in err
-    assert all(name in err.split("choose from")[1] for name in ("auto", "fp8_e4m3", "int8"))
+    assert all(name in err.split("choose from")[1]
+               for name in ("auto", "fp8_e4m3", "int8", "'fp8'"))   # vLLM's alias listed too
+
+
+def test_cli_plans_the_bundled_model_without_a_path(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--gpu-memory", "64MiB"]) == 0
+    assert "stories260k" in capsys.readouterr().out
 
 
 def test_the_docs_gpu_table_is_the_planners() -> None:

@@ -75,9 +75,9 @@ MAX_PARTS = NYB_MAX_PARTS
 def dense_linear(const float[:, ::1] x, const float[:, ::1] w, float[:, ::1] out,
                  bint portable=False) -> None:
     """``out [T, N] = x [T, K] @ w [N, K]^T`` in float32 with the fused step's projection loop
-    (weight rows in pairs, the pairs ahead prefetched: a GEMV that streams ``w`` at memory
-    speed, where a BLAS call on one row reached about half of it; used for a float32 LM head
-    of a few rows).
+    (one row: row by row, the next row prefetched; a few rows: weight rows in pairs, the pairs
+    ahead prefetched; a GEMV that streams ``w`` at memory speed, where a BLAS call on one row
+    reached about half of it; used for a float32 LM head of a few rows).
 
     Raises:
         ValueError: shapes that do not match.
