@@ -441,22 +441,25 @@ static void nyb_att_range_portable(void *ctx, int64_t lo, int64_t hi) {
 #ifdef NYB_X86_AVX2
 /* One row (a decode step of one sequence, or a head's row): y[n] = x . W[n] for rows n0 ..
  * n1, one weight row at a time (the matrix is read as one sequential stream), four running
- * sums of 8, and one prefetch per 64 bytes of the next row (into L2), spread over the loop.
- * Measured on a 226 MB float32 matrix of 576 columns, one thread (AMD EPYC, 2026-12-07):
- * 32.8 GB/s on 2 MiB pages (20.5 on 4 KiB pages) against 22-23 (19.4) for the former loop
- * of two rows with the pair two pairs ahead prefetched; 2 and 4 rows ahead 23 (20). */
+ * sums of 8, and one prefetch (into L2) per 64 bytes NYB_GEMV1_AHEAD floats further on in
+ * the stream (into the next row near a row's end), spread over the loop.  Measured on 512 MiB
+ * of float32 on 2 MiB pages, one thread (AMD EPYC, 2026-12-07), GB/s for rows of 576 / 1536 /
+ * 4096: 256 floats ahead 31-34 / 31-33 / 26-27, the next row's same column 29-34 / 23 / 23,
+ * 1024 floats ahead 21-28 / 25-26 / 22; the former loop of row pairs (the pair two pairs
+ * ahead prefetched) 22-23 at 576. */
+#define NYB_GEMV1_AHEAD 256
 NYB_AVX2_INLINE void nyb_gemv1_avx2(const float *x, int64_t K, const float *W, const float *b,
                                     int64_t n0, int64_t n1, int64_t N, float *y, int acc) {
     for (int64_t n = n0; n < n1; n++) {
         const float *w = W + n * K;
-        const int pf = n + 1 < N;
+        const int64_t pf_end = n + 1 < N ? K : K - NYB_GEMV1_AHEAD;   /* stay inside W */
         __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
         __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
         int64_t k = 0;
         for (; k + 32 <= K; k += 32) {
-            if (pf) {
-                _mm_prefetch((const char *)(w + K + k), _MM_HINT_T1);
-                _mm_prefetch((const char *)(w + K + k + 16), _MM_HINT_T1);
+            if (k < pf_end) {
+                _mm_prefetch((const char *)(w + NYB_GEMV1_AHEAD + k), _MM_HINT_T1);
+                _mm_prefetch((const char *)(w + NYB_GEMV1_AHEAD + k + 16), _MM_HINT_T1);
             }
             a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), _mm256_loadu_ps(w + k), a0);
             a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 8), _mm256_loadu_ps(w + k + 8), a1);
