@@ -29,7 +29,6 @@ from nybble.runtime.scheduler.batch import ScheduledBatch
 from nybble.runtime.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from nybble.runtime.worker.draft_proposer import DraftProposer, decode_rows_metadata
 from nybble.runtime.worker.host_memory import release_free_heap, retain_freed_memory
-from nybble.runtime.worker.weight_pages import place_weights_on_huge_pages
 from nybble.runtime.worker.kv_cache import allocate_kv_cache
 from nybble.runtime.worker.kv_plan import KVCacheSpec
 from nybble.runtime.worker.lora_manager import LoRAManager
@@ -41,6 +40,7 @@ from nybble.runtime.sample.sampler import sample
 from nybble.runtime.sample.sampling_table import SamplingTable
 from nybble.runtime.sample.shaping_rows import VerifyLayout
 from nybble.runtime.worker.step_inputs import StepInputs
+from nybble.runtime.worker.weight_pages import place_weights_on_huge_pages
 from nybble.runtime.sample.structured_output import GrammarMatcher
 from nybble.sampling_params import SamplingParams
 
