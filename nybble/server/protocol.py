@@ -134,11 +134,14 @@ RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 """The ``response_format`` types the server accepts (OpenAI's)."""
 
 
-def _prompt_kind(value: Any) -> str:
+def _prompt_kind(value: Any) -> str | None:
     """Which form a ``prompt`` takes, from its first element (so that validating a long
-    token-id list tries one form only, not each of the union's in turn)."""
+    token-id list tries one form only, not each of the union's in turn); None for a value
+    that is neither a string nor a list (the Discriminator's own error then names the forms)."""
     if isinstance(value, str):
         return "text"
+    if not isinstance(value, list):
+        return None
     first = value[0] if isinstance(value, list) and value else None
     return "texts" if isinstance(first, str) else "id_lists" if isinstance(first, list) \
         else "ids"
@@ -147,7 +150,9 @@ def _prompt_kind(value: Any) -> str:
 Prompt = Annotated[
     Annotated[str, Tag("text")] | Annotated[list[str], Tag("texts")]
     | Annotated[list[int], Tag("ids")] | Annotated[list[list[int]], Tag("id_lists")],
-    Discriminator(_prompt_kind)]
+    Discriminator(_prompt_kind, custom_error_type="prompt_type",
+                  custom_error_message="prompt must be a string, a list of strings, a list of "
+                                       "token ids or a list of token-id lists")]
 """A completions prompt: a string, strings, token ids, or lists of token ids."""
 
 

@@ -146,6 +146,18 @@ def test_mixed_or_empty_prompts_are_refused(prompt: Any) -> None:
     assert info.value.errors()[0]["loc"][0] == "prompt"
 
 
+@pytest.mark.parametrize("prompt", [123, 3.5, True, {"text": "a"}])
+def test_a_prompt_of_another_type_is_refused_naming_the_forms(prompt: Any) -> None:
+    """Not a string or a list: one error at ``prompt`` listing the four forms (not an internal
+    union tag such as ``prompt.ids``)."""
+    with pytest.raises(ValidationError) as info:
+        CompletionRequest.model_validate({"prompt": prompt})
+    (err,) = info.value.errors()
+    assert err["loc"] == ("prompt",)
+    assert err["msg"] == ("prompt must be a string, a list of strings, a list of token ids or a "
+                          "list of token-id lists")
+
+
 @pytest.mark.parametrize("model", list(REQUIRED), ids=lambda m: m.__name__)
 def test_schema_marks_every_optional_field_nullable(model: type[BaseModel]) -> None:
     props = model.model_json_schema()["properties"]
