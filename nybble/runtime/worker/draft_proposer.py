@@ -116,7 +116,7 @@ class DraftProposer:
             return np.zeros(0, np.int32)
         index = torch.from_numpy(rows.astype(np.int64)).to(self.device)
         logits = self.model.compute_logits(hidden.index_select(0, index))
-        return row_argmax(logits.float()).to(torch.int32).cpu().numpy()
+        return row_argmax(logits).to(torch.int32).cpu().numpy()
 
     @torch.inference_mode()
     def propose(self, batch: ScheduledBatch) -> None:

@@ -26,18 +26,24 @@ _M_MMAP_MAX = -4
 _applied = False
 
 
+def _glibc() -> ctypes.CDLL | None:
+    """The C library on Linux, or None (another OS, or it cannot be loaded)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
 def retain_freed_memory() -> bool:
     """Make glibc ``malloc`` keep freed blocks (``M_MMAP_MAX = 0``, ``M_TRIM_THRESHOLD`` =
     1 TiB); once per process. Returns whether it is in effect (False off Linux/glibc)."""
     global _applied
     if _applied:
         return True
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):   # not glibc (musl has no mallopt)
+    mallopt = getattr(_glibc(), "mallopt", None)   # musl has no mallopt
+    if mallopt is None:
         return False
     _applied = bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, 1 << 40))
     if not _applied:
@@ -48,10 +54,5 @@ def retain_freed_memory() -> bool:
 def release_free_heap() -> bool:
     """Give the heap's free pages back to the OS (glibc ``malloc_trim(0)``), e.g. after the
     weights were copied elsewhere. Returns whether anything was released (False off glibc)."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.malloc_trim(0))
-    except (OSError, AttributeError):
-        return False
+    malloc_trim = getattr(_glibc(), "malloc_trim", None)
+    return bool(malloc_trim(0)) if malloc_trim is not None else False

@@ -53,18 +53,16 @@ def place_weights_on_huge_pages(model: nn.Module, min_tensor_bytes: int = MIN_TE
     """
     if not huge_pages_enabled():
         return 0, 0
-    packed: list[tuple[nn.Module, str, str]] = []     # (module, attribute, field)
+    packed: list[tuple[nn.Module, str, list[str]]] = []   # (module, attribute, its fields)
     arrays: list[np.ndarray] = []
     for module in model.modules():
         for attr, fields in _PACKED_FIELDS.items():
             obj = getattr(module, attr, None)
             if obj is None or not dataclasses.is_dataclass(obj):
                 continue
-            for field in fields:
-                value = getattr(obj, field, None)
-                if isinstance(value, np.ndarray):
-                    packed.append((module, attr, field))
-                    arrays.append(value)
+            present = [f for f in fields if isinstance(getattr(obj, f, None), np.ndarray)]
+            packed.append((module, attr, present))
+            arrays += [getattr(obj, f) for f in present]
     tensors: list[torch.Tensor] = []
     seen: set[int] = set()
     for t in [*model.parameters(), *model.buffers()]:
@@ -76,14 +74,10 @@ def place_weights_on_huge_pages(model: nn.Module, min_tensor_bytes: int = MIN_TE
     if not arrays and not tensors:
         return 0, 0
     copies = huge_page_copy(arrays + [t.detach().numpy() for t in tensors])
-    replaced: dict[tuple[int, str], dict[str, np.ndarray]] = {}
-    for (module, attr, field), copy in zip(packed, copies):
-        replaced.setdefault((id(module), attr), {})[field] = copy
-    for module in model.modules():
-        for attr in _PACKED_FIELDS:
-            fields = replaced.get((id(module), attr))
-            if fields:
-                setattr(module, attr, dataclasses.replace(getattr(module, attr), **fields))
+    it = iter(copies)
+    for module, attr, present in packed:
+        new = {f: next(it) for f in present}
+        setattr(module, attr, dataclasses.replace(getattr(module, attr), **new))
     with torch.no_grad():
         for t, copy in zip(tensors, copies[len(arrays):]):
             t.data = torch.from_numpy(copy)
