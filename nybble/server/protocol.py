@@ -151,7 +151,7 @@ Prompt = Annotated[
     Annotated[str, Tag("text")] | Annotated[list[str], Tag("texts")]
     | Annotated[list[int], Tag("ids")] | Annotated[list[list[int]], Tag("id_lists")],
     Discriminator(_prompt_kind, custom_error_type="prompt_type",
-                  custom_error_message="prompt must be a string, a list of strings, a list of "
+                  custom_error_message="must be a string, a list of strings, a list of "
                                        "token ids or a list of token-id lists")]
 """A completions prompt: a string, strings, token ids, or lists of token ids."""
 

@@ -154,8 +154,8 @@ def test_a_prompt_of_another_type_is_refused_naming_the_forms(prompt: Any) -> No
         CompletionRequest.model_validate({"prompt": prompt})
     (err,) = info.value.errors()
     assert err["loc"] == ("prompt",)
-    assert err["msg"] == ("prompt must be a string, a list of strings, a list of token ids or a "
-                          "list of token-id lists")
+    assert err["msg"] == ("must be a string, a list of strings, a list of token ids or a list "
+                          "of token-id lists")       # shown as "prompt: must be ..."
 
 
 @pytest.mark.parametrize("model", list(REQUIRED), ids=lambda m: m.__name__)
