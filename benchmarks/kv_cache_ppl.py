@@ -3,13 +3,15 @@
 For each model and ``--kv-cache-dtype`` (``auto``: the fp32 cache, ``bfloat16``: a 2-byte one
 rounded to nearest even, no scales; ``int8``, ``fp8_e4m3``):
 nybble's own model (float32, CPU, the torch reference attention), the scales calibrated as the
-engine does at start-up (:func:`nybble.runtime.worker.kv_calibration.calibrate_kv_scales`, with
-and without the per-channel key smoothing), scored by ``nybble eval-ppl``'s protocol (every story with BOS, windows of 512 tokens advancing by 256).
+engine does at start-up (:func:`nybble.runtime.worker.kv_calibration.calibrate_kv_scales`: keys
+cached before RoPE and smoothed per channel), against keys smoothed after RoPE and plain
+per-head key scales, scored by ``nybble eval-ppl``'s protocol (every story with BOS, windows
+of 512 tokens advancing by 256).
 Prefill reads the keys and values back from the quantized cache, so every attention score of
 the text goes through the quantization. Also prints the pool-size ratio: tokens a 256 MiB pool
 holds with each dtype. Writes ``benchmarks/results/kv_cache_ppl.json``.
 
-Exits 1 when a smoothed row is 1% or more off the fp32 cache.
+Exits 1 when an engine-calibrated (``pre-rope``) row is 1% or more off the fp32 cache.
 
 Run: ``python benchmarks/kv_cache_ppl.py [--model DIR ...] [--max-paragraphs N]``.
 """
@@ -31,14 +33,20 @@ from nybble.quantize.eval_ppl import nybble_model, perplexity, split_paragraphs 
 from nybble.runtime.worker.kv_plan import kv_storage_dtype, plan_kv_cache  # noqa: E402
 from nybble.runtime.worker.kv_calibration import calibrate_kv_scales  # noqa: E402
 
+KEY_SCHEMES = {"pre-rope": {"smooth_keys": True, "pre_rope": True},
+               "post-rope": {"smooth_keys": True, "pre_rope": False},
+               "per-head": {"smooth_keys": False}}
+"""The key schemes compared (``calibrate_kv_scales`` arguments); the first is the engine's."""
+
 SHARED = os.environ.get("NYBBLE_SHARED", os.path.join(os.path.dirname(_HERE), "..", "shared"))
 
 
 def _install(attns: list, state: list | None) -> None:
-    """Put one calibration's ``(kv_scale, key_smoothing)`` per layer on the layers (``None``:
-    the float cache)."""
+    """Put one calibration's ``(kv_scale, key_smoothing, rotary_keys)`` per layer on the
+    layers (``None``: the float cache)."""
     for i, attn in enumerate(attns):
-        attn.kv_scale, attn.key_smoothing = (None, None) if state is None else state[i]
+        attn.kv_scale, attn.key_smoothing, attn.rotary_keys = \
+            (None, None, None) if state is None else state[i]
 
 
 @torch.no_grad()
@@ -64,9 +72,10 @@ def _mean_kl(loaded, tok, paras: list[str], states: dict, device) -> dict:
 def kv_perplexities(model_dir: str, text: str, dtypes: list[str],
                     max_paragraphs: int | None = None) -> list[dict]:
     """One row per KV dtype and key scheme: perplexity, its change against ``auto``, the mean
-    next-token KL divergence from ``auto``, pool tokens. Each quantized dtype is scored twice:
-    with the engine's calibration (per-channel key smoothing) and with plain per-head key
-    scales (what nybble did before)."""
+    next-token KL divergence from ``auto``, pool tokens. Each quantized dtype is scored three
+    ways: the engine's calibration (keys cached before RoPE, smoothed per channel:
+    ``pre-rope``), keys smoothed after RoPE (``post-rope``, nybble's former method) and plain
+    per-head key scales (``per-head``, the one before)."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -77,12 +86,12 @@ def kv_perplexities(model_dir: str, text: str, dtypes: list[str],
     for name in dtypes:
         cache_dtype = kv_storage_dtype(name, loaded.dtype)
         unscaled = name in ("auto", "bfloat16")   # float caches: no scales to calibrate
-        for keys in (["float"] if unscaled else ["smoothed", "per-head"]):
+        for keys in (["float"] if unscaled else list(KEY_SCHEMES)):
             if unscaled:
                 state = None
             else:
-                calibrate_kv_scales(loaded, cache_dtype, device, smooth_keys=keys == "smoothed")
-                state = [(a.kv_scale, a.key_smoothing) for a in attns]
+                calibrate_kv_scales(loaded, cache_dtype, device, **KEY_SCHEMES[keys])
+                state = [(a.kv_scale, a.key_smoothing, a.rotary_keys) for a in attns]
             states[(name, keys)] = (cache_dtype, state)
     rows = []
     for (name, keys), (cache_dtype, state) in states.items():
@@ -127,7 +136,7 @@ def main() -> int:
         print_table(rows, "held-out perplexity by KV-cache dtype (fp32 weights)")
     write_json(args.out, {"models": args.model, "text": args.text,
                           "max_paragraphs": args.max_paragraphs, "rows": rows})
-    worst = max(abs(r["ppl_change_pct"]) for r in rows if r["keys"] != "per-head")
+    worst = max(abs(r["ppl_change_pct"]) for r in rows if r["keys"] in ("float", "pre-rope"))
     return 0 if worst < 1.0 else 1
 
 

@@ -52,7 +52,16 @@ class AttentionMetadata:
     is_decode_only: bool
     plan: Any = None
 
-
+    def new_token_positions(self) -> torch.Tensor:
+        """``[T]`` int64: each new token's position in its sequence (``seq_lens[i] - q_len_i +
+        t``), computed on the metadata's device with fixed shapes (no host sync, so a CUDA
+        graph can capture it). Rows past the last sequence's tokens (graph padding) get
+        positions past it; callers clamp to their tables."""
+        qsl = self.query_start_loc.long()
+        ends = qsl[1:]
+        tokens = torch.arange(self.slot_mapping.shape[0], device=qsl.device)
+        seq = torch.searchsorted(ends, tokens, right=True).clamp_(max=ends.shape[0] - 1)
+        return (self.seq_lens.long()[seq] - ends[seq] + tokens).clamp_(min=0)
 class AttentionBackend(Protocol):
     """A paged-attention implementation.
 
@@ -63,7 +72,10 @@ class AttentionBackend(Protocol):
     Both are called once per layer with the step's one metadata object. A quantized cache
     (``int8`` / ``float8_e4m3fn``) takes the layer's per-head scales ``kv_scale [2, Hkv]``
     float32 in both calls: the write stores ``quant(x / scale)``, attention reads
-    ``float(q) * scale`` (:mod:`nybble.kernels.kv_quant`); a float cache ignores it.
+    ``float(q) * scale`` (:mod:`nybble.kernels.kv_quant`); a float cache ignores it. A
+    quantized cache may hold its keys before RoPE: then ``forward`` gets ``rotary_keys``
+    (:class:`nybble.kernels.kv_quant.RotaryKeys`, the keys' zero point and the layer's rotary
+    table) and rotates each key by its position as it reads it.
     """
 
     name: str
@@ -78,9 +90,10 @@ class AttentionBackend(Protocol):
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float,
                 kv_scale: torch.Tensor | None = None, window: int | None = None,
-                softcap: float | None = None) -> torch.Tensor:
+                softcap: float | None = None, rotary_keys: Any = None) -> torch.Tensor:
         """Causal attention of each sequence's new tokens over its cached keys/values; with
         ``window`` a query at position ``i`` sees keys ``i - window < j <= i`` only (a
         sliding-window layer), with ``softcap`` each scaled score ``s`` becomes
-        ``softcap * tanh(s / softcap)`` (Gemma 2)."""
+        ``softcap * tanh(s / softcap)`` (Gemma 2); with ``rotary_keys`` the cached keys are
+        pre-RoPE (see above). ``rotary_keys`` with a float cache raises ``ValueError``."""
         ...

@@ -6,7 +6,9 @@ values of KV head ``h`` (``kv_scale: [2, Hkv]`` float32, one tensor per layer). 
 static scales, as vLLM's per-tensor ``k_scale``/``v_scale`` refined to one per head: heads
 differ in range by several times, and a static scale keeps the cache layout, the kernels and
 prefix caching unchanged (the bytes of a block do not depend on which batch wrote it).
-See docs/kv-cache.md for how the scales are calibrated.
+See docs/kv-cache.md for how the scales are calibrated. Keys are cached before RoPE,
+centred and equalised per channel (:class:`KeySmoothing`), and the attention kernels shift and
+rotate them as they read (:class:`RotaryKeys`).
 
 - ``int8``: symmetric, ``q = clamp(floor(x / s + 0.5), -127, 127)`` (``-128`` unused, so the
   grid is symmetric); the Triton kernel rounds the same way, so the two write equal bytes.
@@ -16,6 +18,8 @@ See docs/kv-cache.md for how the scales are calibrated.
 Every function here is the pure-torch reference the Triton kernels are tested against.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -105,3 +109,41 @@ class KeySmoothing:
         if query.dtype == torch.float64:
             return query * self.q_factor.double()
         return (query.float() * self.q_factor).to(query.dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class RotaryKeys:
+    """Keys cached before RoPE: what a layer whose quantized cache holds pre-RoPE keys gives
+    its attention kernels (pre-RoPE key quantization, KVQuant, Hooper et al. 2024).
+
+    The cache holds each key before its rotation, centred and equalised per channel
+    (:class:`KeySmoothing` with ``pre_rope=True``). An attention kernel reads the key of KV
+    head ``h`` at sequence position ``j`` (token ``j`` of its sequence: nybble's positions are
+    the token indices) as
+
+    ``x = float(code) * kv_scale[0, h] + zero[h]``, then
+    ``k = x * cos_sin[j, 0] + roll(x, D / 2) * cos_sin[j, 1]``
+
+    where ``roll(x, D / 2)[d] = x[(d + D / 2) % D]``: the layer's own rotate-half RoPE
+    (:class:`nybble.models.layers.RotaryEmbedding`, full width), applied as the key is read.
+    Why: RoPE turns a key channel's fixed offset into one that turns with the position, which
+    no static per-channel shift removes after the rotation; before it the offset is fixed and
+    ``zero`` removes it exactly (docs/kv-cache.md).
+
+    Attributes:
+        zero: ``[Hkv, D]`` float32, added to every dequantized key of head ``h``.
+        cos_sin: ``[P, 2, D]`` float32, the rotary table (row ``j``: cos and sin of position
+            ``j``, ``cos = [c, c]``, ``sin = [-s, s]``); ``P`` covers every cached position.
+    """
+
+    zero: torch.Tensor
+    cos_sin: torch.Tensor
+
+    def rotate(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Dequantized pre-RoPE keys ``keys [..., N, Hkv, D]`` (float) at ``positions [N]``
+        (int64) -> the keys attention uses, same shape, float32 (float64 for float64 keys)."""
+        acc = torch.float64 if keys.dtype == torch.float64 else torch.float32
+        x = keys.to(acc) + self.zero.to(acc)
+        rows = self.cos_sin.index_select(0, positions.clamp(0, self.cos_sin.shape[0] - 1))
+        cos, sin = rows[:, 0].to(acc).unsqueeze(-2), rows[:, 1].to(acc).unsqueeze(-2)
+        return x * cos + torch.roll(x, x.shape[-1] // 2, -1) * sin

@@ -191,7 +191,18 @@ class RotaryEmbedding(nn.Module):
             return torch.cat((rot, x[..., self.rotary_dim:]), -1)
         return x * cos + torch.roll(x, self.half, -1) * sin
 
+    def unapply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The inverse of :meth:`apply` (a rotation by the opposite angle): ``x [T, heads,
+        head_dim]`` rotated at the positions of ``cos``/``sin`` -> ``x`` before RoPE, a new
+        tensor. Full-width tables only.
 
+        Raises:
+            ValueError: a partial rotary embedding.
+        """
+        if self.partial:
+            raise ValueError("unapply needs a full-width rotary embedding "
+                             "(partial_rotary_factor 1)")
+        return x * cos - torch.roll(x, self.half, -1) * sin
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """SwiGLU activation (Shazeer, 2020): ``x: [T, 2I] -> silu(x[:, :I]) * x[:, I:]``
     (a new contiguous tensor)."""

@@ -21,7 +21,7 @@ from torch import nn
 from nybble.distributed import channel
 from nybble.distributed.comm import single_rank
 from nybble.kernels.interface import AttentionBackend, AttentionMetadata
-from nybble.kernels.kv_quant import KeySmoothing
+from nybble.kernels.kv_quant import KeySmoothing, RotaryKeys
 from nybble.models.cpu_fused import FusedCpuDecode, dense_head
 from nybble.errors import UnsupportedModelError
 from nybble.models.arch import ArchSpec
@@ -88,19 +88,31 @@ class LlamaAttention(nn.Module):
         self.kv_scale: torch.Tensor | None = None
         # its per-channel key centring and scale migration (set with kv_scale), or None
         self.key_smoothing: KeySmoothing | None = None
-
+        # the zero point and rotary table of keys cached before RoPE (set with kv_scale when
+        # the quantized cache holds pre-RoPE keys), or None
+        self.rotary_keys: RotaryKeys | None = None
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Write this step's ``k``/``v`` ``[T, Hkv, D]`` into ``kv_cache`` and attend with
         ``q [T, Hq, D]``: ``[T, Hq * D]`` (before ``o_proj``)."""
+        extra = self._extra
         if self.key_smoothing is not None:
+            if self.rotary_keys is not None:
+                # NOTE: the cache holds keys before RoPE: the kernels rotate them as they read
+                k = self._unrotated(k, meta)
+                extra = {**extra, "rotary_keys": self.rotary_keys}
             q, k = self.key_smoothing.queries(q), self.key_smoothing.keys(k)
         self.backend.reshape_and_cache(k, v, kv_cache, meta, self.kv_scale)
         out = self.backend.forward(q, kv_cache, meta, self.scale, self.kv_scale,
-                                   **self._extra)  # (T, Hq, D)
+                                   **extra)  # (T, Hq, D)
         return out.view(q.shape[0], self.q_size)
 
-
+    def _unrotated(self, k: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The step's rotated keys ``k [T, Hkv, D]`` back before RoPE (their positions come
+        from ``meta``)."""
+        positions = meta.new_token_positions().clamp_(max=self.rope.cos_sin.shape[0] - 1)
+        cos, sin = self.rope.lookup(positions, k.dtype)
+        return self.rope.unapply(k, cos, sin)
 class LlamaMLP(nn.Module):
     """Gated feed-forward (SwiGLU, or GeGLU-tanh for Gemma) with a fused gate/up projection
     (run by :func:`nybble.models.layer_ops.post_attention`)."""

@@ -22,6 +22,10 @@ A sliding-window layer passes ``window``: the walk starts at position ``seq_len 
 (transformers' rule: a query sees the last ``window`` positions, itself included), so its cost
 is the window's, not the sequence's. ``softcap`` > 0 caps each scaled score to
 ``c * tanh(s / c)`` (Gemma 2).
+
+A quantized cache that holds keys before RoPE (:class:`nybble.kernels.kv_quant.RotaryKeys`)
+comes with the keys' per-channel zero point and the layer's rotary table: each position's keys
+are dequantized, shifted and rotated once (all KV heads), then scored against every query head.
 """
 from libc.math cimport expf, tanhf, INFINITY
 from libc.stdint cimport int8_t, int32_t, uint8_t
@@ -42,7 +46,9 @@ def paged_decode_attention(const float[:, :, :] query,
                            const float[:, ::1] kv_scale=None,
                            const float[::1] byte_values=None,
                            Py_ssize_t window=0,
-                           float softcap=0.0):
+                           float softcap=0.0,
+                           const float[:, ::1] key_zero=None,
+                           const float[:, :, ::1] cos_sin=None):
     """``out[b] = softmax(query[b] k^T * scale) v`` over sequence ``b``'s cached keys/values.
 
     Args:
@@ -55,16 +61,24 @@ def paged_decode_attention(const float[:, :, :] query,
             MB * BS``.
         scale: softmax scale.
         out: ``[B, Hq, D]`` float32, C-contiguous, written fully.
-        scratch: float32 work space of at least ``Hq * (max(seq_lens) + D + 1)`` values.
+        scratch: float32 work space of at least ``Hq * (max(seq_lens) + D + 1)`` values,
+            ``(Hkv + 1) * D`` more with ``cos_sin``.
         kv_scale: ``[2, Hkv]`` float32 per-head scales (keys, values); int8/uint8 caches.
         byte_values: ``[256]`` float32, the value each byte stands for (float8 e4m3
             decoded); uint8 caches only.
         window: a sliding-window layer's window (tokens, ``> 0``), or 0 (every position).
         softcap: ``c`` of the scores' soft-capping ``c * tanh(s / c)``, or 0 (none).
+        key_zero: ``[Hkv, D]`` float32, added to each dequantized key (keys cached before
+            RoPE; int8/uint8 caches, with ``cos_sin``).
+        cos_sin: ``[P, 2, D]`` float32 rotary table, ``P >= max(seq_lens)``: the key at
+            position ``j`` is read as ``x * cos_sin[j, 0] + roll(x, D / 2) * cos_sin[j, 1]``
+            (:class:`nybble.kernels.kv_quant.RotaryKeys`); None: keys are cached rotated.
 
     Raises:
         ValueError: shapes that do not fit together, a ``scratch`` too small, an int8 / uint8
-            cache without ``kv_scale [2, Hkv]``, or a uint8 one without ``byte_values [256]``.
+            cache without ``kv_scale [2, Hkv]``, or a uint8 one without ``byte_values [256]``,
+            ``cos_sin`` / ``key_zero`` on a float cache, one without the other, or shapes
+            that do not fit (an odd ``D``, a table shorter than the longest sequence).
     """
     cdef Py_ssize_t batch = query.shape[0], num_heads = query.shape[1]
     cdef Py_ssize_t head_dim = query.shape[2]
@@ -90,12 +104,27 @@ def paged_decode_attention(const float[:, :, :] query,
             raise ValueError(f"seq_lens[{b}] must be in [1, {width * block_size}], "
                              f"got {seq_lens[b]}")
         longest = max(longest, seq_lens[b])
-    if scratch.shape[0] < num_heads * (longest + head_dim + 1):
-        raise ValueError(f"scratch must hold {num_heads * (longest + head_dim + 1)} floats, "
-                         f"got {scratch.shape[0]}")
+    cdef Py_ssize_t need = num_heads * (longest + head_dim + 1)
+    if (cos_sin is None) != (key_zero is None):
+        raise ValueError("cos_sin and key_zero go together (keys cached before RoPE)")
+    if cos_sin is not None:
+        if cache_t is float:
+            raise ValueError("cos_sin / key_zero need a quantized (int8 / fp8) kv_cache")
+        if cos_sin.shape[1] != 2 or cos_sin.shape[2] != head_dim or head_dim % 2 != 0 \
+                or cos_sin.shape[0] < longest:
+            raise ValueError(f"cos_sin must be [P >= {longest}, 2, D={head_dim}] with an even "
+                             f"D, got {[cos_sin.shape[i] for i in range(3)]}")
+        if key_zero.shape[0] != num_kv_heads or key_zero.shape[1] != head_dim:
+            raise ValueError(f"key_zero must be [{num_kv_heads}, {head_dim}], got "
+                             f"{[key_zero.shape[i] for i in range(2)]}")
+        need = need + (num_kv_heads + 1) * head_dim
+    if scratch.shape[0] < need:
+        raise ValueError(f"scratch must hold {need} floats, got {scratch.shape[0]}")
     cdef const float* k_scale = NULL
     cdef const float* v_scale = NULL
     cdef const float* lut = NULL
+    cdef const float* zero = NULL
+    cdef const float* rope = NULL
     if cache_t is not float:
         if kv_scale is None or kv_scale.shape[0] != 2 or kv_scale.shape[1] != num_kv_heads:
             raise ValueError(f"a quantized kv_cache needs kv_scale [2, {num_kv_heads}] float32")
@@ -108,6 +137,8 @@ def paged_decode_attention(const float[:, :, :] query,
         k_scale, v_scale = &kv_scale[0, 0], &kv_scale[1, 0]
     if cache_t is uint8_t:
         lut = &byte_values[0]
+    if cos_sin is not None:
+        zero, rope = &key_zero[0, 0], &cos_sin[0, 0, 0]
     cdef float* work = &scratch[0]
     cdef const cache_t* keys = &kv_cache[0, 0, 0, 0, 0]
     cdef const cache_t* values = &kv_cache[1, 0, 0, 0, 0]
@@ -125,19 +156,19 @@ def paged_decode_attention(const float[:, :, :] query,
             if head_dim == 8:
                 _one_sequence(queries + b * q_seq, q_head, keys, values, table, start,
                               seq_lens[b], block_size, num_heads, num_kv_heads, 8, scale,
-                              &out[b, 0, 0], work, k_scale, v_scale, lut, softcap)
+                              &out[b, 0, 0], work, k_scale, v_scale, lut, softcap, zero, rope)
             elif head_dim == 64:
                 _one_sequence(queries + b * q_seq, q_head, keys, values, table, start,
                               seq_lens[b], block_size, num_heads, num_kv_heads, 64, scale,
-                              &out[b, 0, 0], work, k_scale, v_scale, lut, softcap)
+                              &out[b, 0, 0], work, k_scale, v_scale, lut, softcap, zero, rope)
             elif head_dim == 128:
                 _one_sequence(queries + b * q_seq, q_head, keys, values, table, start,
                               seq_lens[b], block_size, num_heads, num_kv_heads, 128, scale,
-                              &out[b, 0, 0], work, k_scale, v_scale, lut, softcap)
+                              &out[b, 0, 0], work, k_scale, v_scale, lut, softcap, zero, rope)
             else:
                 _one_sequence(queries + b * q_seq, q_head, keys, values, table, start,
                               seq_lens[b], block_size, num_heads, num_kv_heads, head_dim, scale,
-                              &out[b, 0, 0], work, k_scale, v_scale, lut, softcap)
+                              &out[b, 0, 0], work, k_scale, v_scale, lut, softcap, zero, rope)
 
 
 cdef inline Py_ssize_t first(Py_ssize_t length, Py_ssize_t window) noexcept nogil:
@@ -160,11 +191,14 @@ cdef inline void _one_sequence(const float* query, Py_ssize_t q_head, const cach
                                Py_ssize_t num_kv_heads, Py_ssize_t head_dim, float scale,
                                float* out, float* work, const float* k_scale,
                                const float* v_scale, const float* lut,
-                               float softcap) noexcept nogil:
+                               float softcap, const float* zero,
+                               const float* rope) noexcept nogil:
     """One sequence: ``out [Hq, D]`` (C-contiguous) from ``query`` (head ``h`` at
     ``query + h * q_head``) over its cached positions ``[start, end)``; ``work`` holds
-    ``Hq * (end - start + D + 1)`` floats. A byte cache is read through ``lut`` and the
-    per-head ``k_scale`` / ``v_scale``."""
+    ``Hq * (end - start + D + 1)`` floats (``(Hkv + 1) * D`` more with ``rope``). A byte
+    cache is read through ``lut`` and the per-head ``k_scale`` / ``v_scale``; with ``rope``
+    (``[P, 2, D]``) and ``zero`` (``[Hkv, D]``) its keys are pre-RoPE, shifted and rotated as
+    they are read."""
     cdef Py_ssize_t length = end - start
     cdef Py_ssize_t group = num_heads // num_kv_heads
     cdef Py_ssize_t slot_stride = num_kv_heads * head_dim     # floats between two positions
@@ -172,6 +206,11 @@ cdef inline void _one_sequence(const float* query, Py_ssize_t q_head, const cach
     cdef float* scores = work                                 # [Hq, L]
     cdef float* acc = work + num_heads * length               # [Hq, D]
     cdef float* denom = acc + num_heads * head_dim            # [Hq]
+    cdef float* rotated = denom + num_heads                   # [Hkv, D] (with rope)
+    cdef float* shifted = rotated + num_kv_heads * head_dim   # [D] (with rope)
+    cdef Py_ssize_t half = head_dim // 2, kh
+    cdef const float* cs
+    cdef float ks
     cdef Py_ssize_t h, t, d, j, i, n, offset, pos, i0
     cdef const float* q
     cdef const cache_t* k
@@ -190,6 +229,30 @@ cdef inline void _one_sequence(const float* query, Py_ssize_t q_head, const cach
         offset = table[j] * block_stride + i0 * slot_stride
         for i in range(n):
             k = keys + offset + i * slot_stride
+            if cache_t is not float and rope != NULL:
+                # this position's keys of every KV head: dequantized, shifted, rotated
+                cs = rope + (pos + i) * 2 * head_dim
+                for kh in range(num_kv_heads):
+                    ks = k_scale[kh]
+                    for d in range(head_dim):
+                        shifted[d] = _value(k[kh * head_dim + d], lut) * ks + \
+                            zero[kh * head_dim + d]
+                    a = rotated + kh * head_dim
+                    for d in range(half):
+                        a[d] = shifted[d] * cs[d] + shifted[d + half] * cs[head_dim + d]
+                        a[d + half] = shifted[d + half] * cs[d + half] + \
+                            shifted[d] * cs[head_dim + d + half]
+                for h in range(num_heads):
+                    q = query + h * q_head
+                    a = rotated + (h // group) * head_dim
+                    s = 0.0
+                    for d in range(head_dim):
+                        s = s + q[d] * a[d]
+                    s = s * scale
+                    if softcap > 0.0:
+                        s = softcap * tanhf(s / softcap)
+                    scores[h * length + t + i] = s
+                continue
             for h in range(num_heads):
                 q = query + h * q_head
                 v = k + (h // group) * head_dim

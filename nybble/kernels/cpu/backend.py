@@ -7,7 +7,8 @@ gathered ``[B, S, Hkv, D]`` copy per layer, no padding to the longest sequence, 
 with prefill chunks, and other dtypes, take
 :func:`~nybble.kernels.reference.attention.paged_attention`. A quantized (``int8`` /
 ``fp8_e4m3``) cache's decode steps run the same kernel with the layer's per-head scales (an fp8
-cache as its bytes, with a 256-entry table of what each byte stands for).
+cache as its bytes, with a 256-entry table of what each byte stands for), keys cached before RoPE
+(:class:`~nybble.kernels.kv_quant.RotaryKeys`) with their zero point and rotary table.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import numpy as np
 import torch
 
 from nybble.kernels.interface import AttentionMetadata
-from nybble.kernels.kv_quant import QMAX
+from nybble.kernels.kv_quant import QMAX, RotaryKeys
 from nybble.kernels.reference.attention import TorchAttentionBackend, write_rows, write_slots
 
 try:
@@ -84,15 +85,20 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float,
                 kv_scale: torch.Tensor | None = None, window: int | None = None,
-                softcap: float | None = None) -> torch.Tensor:
-        """Causal paged attention, ``[T, Hq, D] -> [T, Hq, D]`` (see the protocol; ``window``
-        and ``softcap`` as in :func:`~nybble.kernels.reference.attention.paged_attention`)."""
-        if not self._uses_kernel(meta, kv_cache) or query.dtype != torch.float32:
-            return super().forward(query, kv_cache, meta, scale, kv_scale, window, softcap)
+                softcap: float | None = None,
+                rotary_keys: RotaryKeys | None = None) -> torch.Tensor:
+        """Causal paged attention, ``[T, Hq, D] -> [T, Hq, D]`` (see the protocol; ``window``,
+        ``softcap`` and ``rotary_keys`` as in
+        :func:`~nybble.kernels.reference.attention.paged_attention`)."""
+        if not self._uses_kernel(meta, kv_cache) or query.dtype != torch.float32 or \
+                (rotary_keys is not None and kv_cache.dtype == torch.float32):
+            return super().forward(query, kv_cache, meta, scale, kv_scale, window, softcap,
+                                   rotary_keys)
         extra = {"window": window or 0, "softcap": softcap or 0.0}
         plan = self._kernel_plan(meta)
         num_tokens, num_heads, head_dim = query.shape
-        need = num_heads * (meta.max_seq_len + head_dim + 1)
+        need = num_heads * (meta.max_seq_len + head_dim + 1) + \
+            (kv_cache.shape[3] + 1) * head_dim
         if self._scratch.shape[0] < need:
             self._scratch = np.empty(max(need, 2 * self._scratch.shape[0]), np.float32)
         out = torch.empty(num_tokens, num_heads, head_dim)
@@ -105,6 +111,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
                              f"{kv_cache.dtype} KV cache, got None")
         # NOTE: numpy has no float8: an fp8 cache goes as its bytes with a decoding table
         fp8 = kv_cache.dtype == torch.float8_e4m3fn
+        if rotary_keys is not None:
+            extra["key_zero"] = rotary_keys.zero.numpy()
+            extra["cos_sin"] = rotary_keys.cos_sin.numpy()
         paged_decode_attention(query.numpy(),
                                (kv_cache.view(torch.uint8) if fp8 else kv_cache).numpy(),
                                plan.block_tables, plan.seq_lens, scale, out.numpy(),

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from nybble.kernels.interface import AttentionMetadata
-from nybble.kernels.kv_quant import as_bytes, is_quantized_cache, quantize_kv
+from nybble.kernels.kv_quant import RotaryKeys, as_bytes, is_quantized_cache, quantize_kv
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
@@ -289,7 +289,8 @@ def _dequantized(kv: torch.Tensor, kv_cache: torch.Tensor, kv_scale: torch.Tenso
 
 def _decode(query: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan,
             scale: float, kv_scale: torch.Tensor | None = None,
-            softcap: float | None = None) -> torch.Tensor:
+            softcap: float | None = None,
+            rotary_keys: RotaryKeys | None = None) -> torch.Tensor:
     """``softmax(q k^T * scale + mask) v`` for the decode rows; ``[Bd, Hq, D]`` float."""
     q, num_heads, num_kv_heads, head_dim, acc = _group_query(query, kv_cache, plan.tokens)
     batch, s = q.shape[0], plan.max_seq_len
@@ -300,6 +301,10 @@ def _decode(query: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan,
         q = q.to(acc)
     elif kv.dtype != acc:
         kv, q = kv.to(acc), q.to(acc)
+    if rotary_keys is not None:
+        # [B, Hkv, S, D] -> [B, S, Hkv, D] for the rotation by position, and back
+        keys = rotary_keys.rotate(kv[0].transpose(1, 2), _arange(s, kv.device).long())
+        kv = torch.stack((keys.to(acc).transpose(1, 2), kv[1]))
     keys, values = kv.view(2, batch * num_kv_heads, s, head_dim).unbind(0)
     # NOTE: the product makes q contiguous, so [B, Hq, D] views as [B * Hkv, group, D].
     q = (q * scale).view(batch * num_kv_heads, num_heads // num_kv_heads, head_dim)
@@ -313,7 +318,8 @@ def _decode(query: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan,
 
 def _prefill(query: torch.Tensor, kv_cache: torch.Tensor, plan: PrefillPlan,
              scale: float, kv_scale: torch.Tensor | None = None,
-             softcap: float | None = None) -> torch.Tensor:
+             softcap: float | None = None,
+             rotary_keys: RotaryKeys | None = None) -> torch.Tensor:
     """Causal attention of the prefill chunks, padded; ``[Tp, Hq, D]`` float."""
     q, num_heads, num_kv_heads, head_dim, acc = _group_query(query, kv_cache, plan.tokens)
     q_pad = q.new_zeros(plan.batch * plan.max_query_len, num_heads, head_dim, dtype=acc)
@@ -322,6 +328,9 @@ def _prefill(query: torch.Tensor, kv_cache: torch.Tensor, plan: PrefillPlan,
     kv = as_bytes(kv_cache).view(2, -1, num_kv_heads, head_dim).index_select(1, plan.kv_slots)
     kv = _dequantized(kv.view(2, plan.batch, plan.max_seq_len, num_kv_heads, head_dim),
                       kv_cache, kv_scale, 3, acc)
+    if rotary_keys is not None:
+        keys = rotary_keys.rotate(kv[0], _arange(plan.max_seq_len, kv.device).long())
+        kv = torch.stack((keys.to(acc), kv[1]))
     # NOTE: padded query rows may be fully masked (NaN out); they are dropped below.
     if softcap is None:
         out = F.scaled_dot_product_attention(
@@ -349,7 +358,8 @@ def _softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float, kv_scale: torch.Tensor | None = None,
-                    window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                    window: int | None = None, softcap: float | None = None,
+                    rotary_keys: RotaryKeys | None = None) -> torch.Tensor:
     """Varlen causal attention of new tokens over their cached prefixes (GQA aware).
 
     Decode sequences (one new token) and prefill chunks are computed as two groups, so a long
@@ -366,10 +376,20 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
         window: a sliding-window layer's window (tokens a query sees, itself included), or
             None (full causal attention).
         softcap: ``c`` of the scores' soft-capping ``c * tanh(s / c)``, or None.
+        rotary_keys: a quantized cache that holds keys before RoPE: their zero point and the
+            layer's rotary table, applied as the keys are read
+            (:class:`nybble.kernels.kv_quant.RotaryKeys`); None: keys are cached rotated.
 
     Returns:
         ``[T, Hq, D]`` in ``query.dtype``; computed in float32, or float64 for float64 inputs.
+
+    Raises:
+        ValueError: ``rotary_keys`` with a float cache, or a quantized cache without
+            ``kv_scale``.
     """
+    if rotary_keys is not None and not is_quantized_cache(kv_cache):
+        raise ValueError(f"rotary_keys needs a quantized (int8 / fp8_e4m3) KV cache, got "
+                         f"{kv_cache.dtype}")
     plan = meta.plan
     if not isinstance(plan, AttentionPlan):
         plan = meta.plan = plan_attention(meta, kv_cache)
@@ -377,15 +397,18 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
         plan = windowed_plan(plan, window)
     dec, pre = plan.decode, plan.prefill
     if dec is not None and dec.tokens is None:
-        return _cast(_decode(query, kv_cache, dec, scale, kv_scale, softcap), query.dtype)
+        return _cast(_decode(query, kv_cache, dec, scale, kv_scale, softcap, rotary_keys),
+                     query.dtype)
     if pre is not None and pre.tokens is None:
-        return _cast(_prefill(query, kv_cache, pre, scale, kv_scale, softcap), query.dtype)
+        return _cast(_prefill(query, kv_cache, pre, scale, kv_scale, softcap, rotary_keys),
+                     query.dtype)
     out = torch.empty_like(query)
     if dec is not None:
-        out[dec.tokens] = _decode(query, kv_cache, dec, scale, kv_scale, softcap).to(query.dtype)
+        out[dec.tokens] = _decode(query, kv_cache, dec, scale, kv_scale, softcap,
+                                  rotary_keys).to(query.dtype)
     if pre is not None:
-        out[pre.tokens] = _prefill(query, kv_cache, pre, scale, kv_scale,
-                                   softcap).to(query.dtype)
+        out[pre.tokens] = _prefill(query, kv_cache, pre, scale, kv_scale, softcap,
+                                   rotary_keys).to(query.dtype)
     return out
 
 
@@ -411,6 +434,8 @@ class TorchAttentionBackend:
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float,
                 kv_scale: torch.Tensor | None = None, window: int | None = None,
-                softcap: float | None = None) -> torch.Tensor:
+                softcap: float | None = None,
+                rotary_keys: RotaryKeys | None = None) -> torch.Tensor:
         """See :func:`paged_attention`."""
-        return paged_attention(query, kv_cache, meta, scale, kv_scale, window, softcap)
+        return paged_attention(query, kv_cache, meta, scale, kv_scale, window, softcap,
+                               rotary_keys)

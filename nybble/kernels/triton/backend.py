@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from nybble.kernels.interface import AttentionMetadata
+from nybble.kernels.kv_quant import RotaryKeys
 from nybble.kernels.triton.cache import reshape_and_cache
 from nybble.kernels.triton.paged_decode import paged_decode_attention
 from nybble.kernels.triton.paged_prefill import paged_prefill_attention
@@ -28,11 +29,14 @@ class TritonAttentionBackend:
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float,
                 kv_scale: torch.Tensor | None = None, window: int | None = None,
-                softcap: float | None = None) -> torch.Tensor:
-        """Causal paged attention, ``[T, Hq, D] -> [T, Hq, D]`` (see the protocol; ``window``
-        and ``softcap`` as in :func:`~nybble.kernels.reference.attention.paged_attention`)."""
+                softcap: float | None = None,
+                rotary_keys: RotaryKeys | None = None) -> torch.Tensor:
+        """Causal paged attention, ``[T, Hq, D] -> [T, Hq, D]`` (see the protocol; ``window``,
+        ``softcap`` and ``rotary_keys`` as in
+        :func:`~nybble.kernels.reference.attention.paged_attention`)."""
         if meta.is_decode_only:
             return paged_decode_attention(query, kv_cache, meta, scale, kv_scale=kv_scale,
-                                          window=window, softcap=softcap)
+                                          window=window, softcap=softcap,
+                                          rotary_keys=rotary_keys)
         return paged_prefill_attention(query, kv_cache, meta, scale, kv_scale=kv_scale,
-                                       window=window, softcap=softcap)
+                                       window=window, softcap=softcap, rotary_keys=rotary_keys)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from nybble.kernels.kv_quant import QMAX, KeySmoothing
+from nybble.kernels.kv_quant import QMAX, KeySmoothing, RotaryKeys
 from nybble.models.loader import LoadedModel
 from nybble.models.scoring import prefill_logits
 
@@ -42,17 +42,23 @@ def calibration_token_ids(vocab_size: int, num_tokens: int) -> list[int]:
 
 @torch.inference_mode()
 def calibrate_kv_scales(loaded: LoadedModel, cache_dtype: torch.dtype, device: torch.device,
-                        smooth_keys: bool = True) -> list[torch.Tensor]:
+                        smooth_keys: bool = True, pre_rope: bool = True) -> list[torch.Tensor]:
     """Calibrate and install the scales of a quantized KV cache (and the key smoothing).
 
     Runs one float-cache prefill of :data:`CALIBRATION_TOKENS` random ids with the layers'
-    ``kv_scale`` and ``key_smoothing`` cleared, then sets both on every layer:
+    ``kv_scale``, ``key_smoothing`` and ``rotary_keys`` cleared, then sets them on every layer:
 
-    - keys: per channel (KV head x head dimension) the calibrated range ``[lo, hi]`` gives a
-      shift ``(lo + hi) / 2`` (zero in a soft-capped layer, where a shift is not exact) and a
-      half-width ``r``; the head's scale is ``CALIBRATION_MARGIN * max(r) / qmax`` and each
-      channel's factor ``max(r / max(r), KEY_FACTOR_FLOOR)``
-      (:class:`nybble.kernels.kv_quant.KeySmoothing`);
+    - keys, cached before RoPE (pre-RoPE key quantization, KVQuant, Hooper et al. 2024) in
+      every layer whose rotary embedding is full-width: per channel (KV head x head
+      dimension) the calibrated range ``[lo, hi]`` of the keys before their rotation gives a
+      shift ``(lo + hi) / 2`` and a half-width ``r``, taken as the larger of the two channels
+      of each rotary pair (a per-pair factor commutes with the rotation, so it can move to the
+      query); the head's scale is ``CALIBRATION_MARGIN * max(r) / qmax`` and each channel's
+      factor ``max(r / max(r), KEY_FACTOR_FLOOR)``
+      (:class:`nybble.kernels.kv_quant.KeySmoothing`); the kernels add the shift back and
+      rotate as they read (:class:`nybble.kernels.kv_quant.RotaryKeys`). A layer with a partial
+      rotary embedding keeps its keys rotated and smooths them after RoPE: the same shift
+      (zero in a soft-capped layer, where softmax would not remove it) and per-channel factor;
     - values: per head, ``CALIBRATION_MARGIN * absmax / qmax``.
 
     Args:
@@ -61,6 +67,8 @@ def calibrate_kv_scales(loaded: LoadedModel, cache_dtype: torch.dtype, device: t
         device: where the model lives.
         smooth_keys: ``False`` gives the plain per-head key scales without smoothing (kept
             for the comparison in ``benchmarks/kv_cache_ppl.py``).
+        pre_rope: ``False`` smooths every layer's keys after RoPE (the former method, kept for
+            the same comparison).
 
     Returns:
         One ``[2, Hkv]`` float32 tensor per layer (keys row 0, values row 1), as installed.
@@ -72,7 +80,7 @@ def calibrate_kv_scales(loaded: LoadedModel, cache_dtype: torch.dtype, device: t
         raise ValueError(f"cache_dtype must be int8 or float8_e4m3fn, got {cache_dtype}")
     attns = [layer.self_attn for layer in loaded.model.layers]
     for attn in attns:
-        attn.kv_scale, attn.key_smoothing = None, None
+        attn.kv_scale, attn.key_smoothing, attn.rotary_keys = None, None, None
     num_tokens = min(CALIBRATION_TOKENS, loaded.max_model_len)
     ids = calibration_token_ids(loaded.shape.vocab_size, num_tokens)
     caches: list[torch.Tensor] = []
@@ -85,13 +93,25 @@ def calibrate_kv_scales(loaded: LoadedModel, cache_dtype: torch.dtype, device: t
         keys, values = kv[0], kv[1]
         value_scale = values.abs().amax(dim=(0, 2)) * CALIBRATION_MARGIN / qmax
         if smooth_keys:
+            rotary = pre_rope and not attn.rope.partial
+            if rotary:
+                # the calibration cache holds rotated keys; token j sits at position j
+                cos, sin = attn.rope.lookup(torch.arange(num_tokens, device=keys.device),
+                                            torch.float32)
+                keys = attn.rope.unapply(keys, cos, sin)
             lo, hi = keys.amin(dim=0), keys.amax(dim=0)             # [Hkv, D]
-            shift = (lo + hi) / 2 if attn.softcap is None else torch.zeros_like(lo)
+            shift = (lo + hi) / 2 if rotary or attn.softcap is None else torch.zeros_like(lo)
             half = torch.maximum(hi - shift, shift - lo).clamp_(min=1e-8)
+            if rotary:
+                pair = half.shape[1] // 2
+                half = torch.maximum(half[:, :pair], half[:, pair:]).repeat(1, 2)
             widest = half.amax(dim=1, keepdim=True)                 # [Hkv, 1]
             factor = (half / widest).clamp_(min=KEY_FACTOR_FLOOR)
             attn.key_smoothing = KeySmoothing(shift.to(device), factor.to(device),
                                               attn.num_heads // attn.num_kv_heads)
+            if rotary:
+                attn.rotary_keys = RotaryKeys((shift / factor).to(device).contiguous(),
+                                              attn.rope.cos_sin)
             key_scale = widest[:, 0] * CALIBRATION_MARGIN / qmax
         else:
             key_scale = keys.abs().amax(dim=(0, 2)) * CALIBRATION_MARGIN / qmax
