@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import uuid
 from typing import Any
 
@@ -40,8 +41,21 @@ from nybble.errors import (
     ModelNotFoundError,
     NybbleError,
 )
+from nybble.server.protocol import PROMPT_FORMS
 from nybble.server.responses import ErrorInfo, ErrorResponse
 
+_UNION_LABEL = re.compile(r"^(str|int|float|bool|none|[a-z-]+\[.*\]|[A-Z]\w*(\[.*\])?)$")
+"""The labels pydantic puts in an error location for the member of a union it tried
+(``str``, ``list[ContentPart]``, a model's class name): types, not fields."""
+
+
+def _field_location(loc: list[str]) -> tuple[list[str], str | None]:
+    """An error location without the union members pydantic tried, and the prompt form it was
+    read as (``prompt.ids.1`` -> ``prompt.1``, "a list of token ids")."""
+    form = None
+    if len(loc) > 1 and loc[0] == "prompt" and loc[1] in PROMPT_FORMS:
+        form, loc = PROMPT_FORMS[loc[1]], [loc[0], *loc[2:]]
+    return [x for x in loc if not _UNION_LABEL.match(x)], form
 logger = logging.getLogger(__name__)
 
 
@@ -96,19 +110,25 @@ def response_for(exc: BaseException) -> JSONResponse:
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     """One readable line from pydantic's error list, and the first offending parameter."""
-    parts, param = [], None
+    parts: dict[str, list[str]] = {}   # location -> messages (a union's members, merged)
+    param = None
     for err in exc.errors():
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        loc, form = _field_location([str(x) for x in err.get("loc", ()) if x != "body"])
         if err.get("type") == "json_invalid":
             return f"malformed JSON body: {err.get('msg', '')}", None
-        where = ".".join(loc) or "body"
         cause = err.get("ctx", {}).get("error") if err.get("type") == "value_error" else None
         param = param or (loc[0] if loc else getattr(cause, "param", None))
         if cause is not None:
-            parts.append(str(cause))  # NOTE: our validators name the field
-        else:
-            parts.append(f"{where}: {err.get('msg', 'invalid value')}")
-    return "invalid request: " + "; ".join(parts), param
+            parts.setdefault(str(cause), [])  # NOTE: our validators name the field
+            continue
+        msg = err.get("msg", "invalid value") + (f" (read as {form})" if form else "")
+        seen = parts.setdefault(".".join(loc) or "body", [])
+        if msg not in seen:
+            seen.append(msg)
+    lines = [where if not msgs else f"{where}: " + " or ".join(
+        [msgs[0], *(m.removeprefix("Input should be ") for m in msgs[1:])])
+        for where, msgs in parts.items()]
+    return "invalid request: " + "; ".join(lines), param
 
 
 def _is_json(content_type: str) -> bool:

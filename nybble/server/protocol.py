@@ -147,6 +147,11 @@ def _prompt_kind(value: Any) -> str | None:
         else "ids"
 
 
+PROMPT_FORMS = {"text": "a string", "texts": "a list of strings", "ids": "a list of token ids",
+                "id_lists": "a list of token-id lists"}
+"""The union tags of :data:`Prompt` (they appear in pydantic's error locations) and the form
+each stands for."""
+
 Prompt = Annotated[
     Annotated[str, Tag("text")] | Annotated[list[str], Tag("texts")]
     | Annotated[list[int], Tag("ids")] | Annotated[list[list[int]], Tag("id_lists")],

@@ -158,6 +158,40 @@ def test_a_prompt_of_another_type_is_refused_naming_the_forms(prompt: Any) -> No
                           "of token-id lists")       # shown as "prompt: must be ..."
 
 
+def _message(model: type[BaseModel], body: dict) -> str:
+    """The error message the server sends for ``body`` (``_validation_message`` on the
+    request's validation errors, located under ``body`` as FastAPI does)."""
+    from fastapi.exceptions import RequestValidationError
+
+    from nybble.server.errors import _validation_message
+
+    with pytest.raises(ValidationError) as info:
+        model.model_validate(body)
+    errors = [dict(e, loc=("body", *e["loc"])) for e in info.value.errors()]
+    return _validation_message(RequestValidationError(errors))[0]
+
+
+@pytest.mark.parametrize("prompt,want", [
+    ([1, "a"], "prompt.1: Input should be a valid integer (read as a list of token ids)"),
+    (["a", 1], "prompt.1: Input should be a valid string (read as a list of strings)"),
+    ([[1], 2], "prompt.1: Input should be a valid list (read as a list of token-id lists)"),
+])
+def test_a_mixed_prompt_names_the_element_and_the_form_not_a_union_tag(prompt: Any,
+                                                                       want: str) -> None:
+    assert _message(CompletionRequest, {"prompt": prompt}) == f"invalid request: {want}"
+
+
+def test_union_member_labels_stay_out_of_error_locations() -> None:
+    """pydantic locates a union's errors under each member's label (``content.str``,
+    ``content.list[ContentPart]``): one location, its messages joined."""
+    body = {"messages": [{"role": "user", "content": 5}]}
+    assert _message(ChatCompletionRequest, body) == (
+        "invalid request: messages.0.content: Input should be a valid string or a valid list")
+    assert _message(CompletionRequest, {"prompt": "a", "stop": [1]}) == (
+        "invalid request: stop: Input should be a valid string; stop.0: Input should be a "
+        "valid string")
+
+
 @pytest.mark.parametrize("model", list(REQUIRED), ids=lambda m: m.__name__)
 def test_schema_marks_every_optional_field_nullable(model: type[BaseModel]) -> None:
     props = model.model_json_schema()["properties"]
