@@ -12,6 +12,10 @@ from nybble.config import DEFAULT_MODEL, KV_CACHE_DTYPE_FLAG_CHOICES, canonical_
 from nybble.engine_args import parse_bytes
 
 
+_GPU_MEMORY = parse_bytes("16GiB")
+"""``--gpu-memory``'s default."""
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``plan`` subcommand."""
     p = subparsers.add_parser(
@@ -23,7 +27,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("model", metavar="MODEL", nargs="?", default=DEFAULT_MODEL,
                    help="model folder (config.json + *.safetensors) or a .gguf file; default: "
                         "the bundled stories260k model")
-    p.add_argument("--gpu-memory", type=parse_bytes, default=parse_bytes("16GiB"),
+    p.add_argument("--gpu-memory", type=parse_bytes, default=_GPU_MEMORY,
                    help="memory of one GPU, e.g. 24GiB (default: 16GiB)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="tokens per sequence, prompt + output (default: the model's "
@@ -63,5 +67,9 @@ def run(args: argparse.Namespace) -> int:
     tensors = gguf_tensors(args.model) if is_gguf(args.model) else checkpoint_tensors(args.model)
     plan = plan_memory(ModelShape.from_hf_config(hf_config), tensors,
                        int(getattr(hf_config, "max_position_embeddings", 2048)), request)
-    print(format_plan(plan, args.model))
+    defaults = [name for name, value, default in (
+        ("model", args.model, DEFAULT_MODEL), ("--gpu-memory", args.gpu_memory, _GPU_MEMORY),
+        ("--kv-cache-dtype", args.kv_cache_dtype, "auto"),
+        ("--max-model-len", args.max_model_len, None)) if value == default]
+    print(format_plan(plan, args.model, defaults))
     return 0 if plan.num_sequences else 1

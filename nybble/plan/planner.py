@@ -12,6 +12,7 @@ Tensor parallelism (``tensor_parallel_size`` > 1) is planned as ``nybble serve
 """
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, replace
 
 from nybble.models.shape import ModelShape
@@ -161,28 +162,36 @@ def _advice(plan: MemoryPlan, shape: ModelShape, tensors: dict[str, TensorInfo],
     return tuple(out)
 
 
-def format_plan(plan: MemoryPlan, model: str) -> str:
-    """The plan as the lines ``nybble plan`` prints."""
+def format_plan(plan: MemoryPlan, model: str, defaults: Collection[str] = ()) -> str:
+    """The plan as the lines ``nybble plan`` prints; each flag named in ``defaults`` (``model``,
+    ``--gpu-memory``, ``--kv-cache-dtype``, ``--max-model-len``) was left at its default, and
+    its line says so and names the flag."""
     req, gib, mib = plan.request, 2**30, 2**20
+
+    def default(flag: str, what: str = "default") -> str:
+        return f" ({what}; set with {flag})" if flag in defaults else ""
+
     gain = kv_element_bytes("auto", req.dtype) / kv_element_bytes(req.kv_cache_dtype, req.dtype)
     lines = [
-        f"model            {model}",
+        f"model            {model}" + (" (default: the bundled model)" if "model" in defaults
+                                            else ""),
         f"GPU memory       {req.gpu_memory / gib:.2f} GiB"
         + (f" x {req.tensor_parallel_size} (tensor parallel, per-GPU figures below)"
-           if req.tensor_parallel_size > 1 else ""),
+           if req.tensor_parallel_size > 1 else "") + default("--gpu-memory"),
         f"weights          {plan.weight_bytes} bytes ({plan.weight_bytes / gib:.3f} GiB, "
         f"floating tensors as {req.dtype})",
         f"KV cache dtype   {req.kv_cache_dtype}"
         + (f" ({req.dtype})" if req.kv_cache_dtype == "auto" else
            f"{' (per-head scales)' if req.kv_cache_dtype in ('int8', 'fp8_e4m3') else ''}: "
-           f"{gain:.2f}x the tokens of a {req.dtype} cache"),
+           f"{gain:.2f}x the tokens of a {req.dtype} cache") + default("--kv-cache-dtype"),
         f"KV per token     {plan.kv_bytes_per_token} bytes "
         f"({plan.kv_bytes_per_token / 1024:.1f} KiB)",
         f"KV budget        {plan.kv_budget} bytes ({plan.kv_budget / mib:.1f} MiB: 90% of the "
         f"memory left after the weights)",
         f"KV pool          {plan.num_blocks} blocks x {req.block_size} tokens = "
         f"{plan.pool_tokens} tokens",
-        f"sequences        {plan.num_sequences} of {plan.max_model_len} tokens fit at once",
+        f"sequences        {plan.num_sequences} of {plan.max_model_len} tokens fit at once"
+        + default("--max-model-len", "the model's max_position_embeddings"),
         f"longest context  {plan.max_context} tokens for one sequence",
     ]
     if plan.advice:

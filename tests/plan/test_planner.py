@@ -163,6 +163,22 @@ def test_cli_plans_the_bundled_model_without_a_path(capsys: pytest.CaptureFixtur
     assert "stories260k" in capsys.readouterr().out
 
 
+def test_the_plan_marks_what_was_left_at_its_default(capsys: pytest.CaptureFixture[str]) -> None:
+    """Each value the user did not set says so and names its flag; set ones say nothing."""
+    assert main(["plan"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].endswith("stories260k (default: the bundled model)")
+    assert "GPU memory       16.00 GiB (default; set with --gpu-memory)" in lines
+    assert "KV cache dtype   auto (float16) (default; set with --kv-cache-dtype)" in lines
+    assert any(line.startswith("sequences ") and line.endswith(
+        "512 tokens fit at once (the model's max_position_embeddings; set with "
+        "--max-model-len)") for line in lines)
+    assert main(["plan", DEFAULT_MODEL, "--gpu-memory", "24GiB", "--kv-cache-dtype", "int8",
+                 "--max-model-len", "256"]) == 0
+    out = capsys.readouterr().out
+    assert "set with" not in out   # (the model given is still the bundled one)
+
+
 def test_the_docs_gpu_table_is_the_planners() -> None:
     """docs/memory-planner.md's table is what ``benchmarks/plan_gpu_table.py`` prints."""
     import sys
