@@ -41,12 +41,13 @@ KEY_SCHEMES = {"pre-rope": {"smooth_keys": True, "pre_rope": True},
 SHARED = os.environ.get("NYBBLE_SHARED", os.path.join(os.path.dirname(_HERE), "..", "shared"))
 
 
-def _install(attns: list, state: list | None) -> None:
+def _install(loaded, state: list | None) -> None:
     """Put one calibration's ``(kv_scale, key_smoothing, rotary_keys)`` per layer on the
     layers (``None``: the float cache)."""
-    for i, attn in enumerate(attns):
-        attn.kv_scale, attn.key_smoothing, attn.rotary_keys = \
+    for i, layer in enumerate(loaded.model.layers):
+        layer.self_attn.kv_scale, layer.self_attn.key_smoothing, layer.self_attn.rotary_keys = \
             (None, None, None) if state is None else state[i]
+    loaded.model.drop_ops()
 
 
 @torch.no_grad()
@@ -55,14 +56,13 @@ def _mean_kl(loaded, tok, paras: list[str], states: dict, device) -> dict:
     float cache's, over the first 512 tokens of every paragraph: unlike a perplexity change,
     which sums signed log-probability shifts that partly cancel, it only grows with the
     distortion the cache adds."""
-    attns = [layer.self_attn for layer in loaded.model.layers]
     totals, count = {key: 0.0 for key in states}, 0
     for p in paras:
         ids = tok(p)["input_ids"][:512]
-        _install(attns, None)
+        _install(loaded, None)
         ref = prefill_logits(loaded, [ids], device)[0].double().log_softmax(-1)
         for key, (cache_dtype, state) in states.items():
-            _install(attns, state)
+            _install(loaded, state)
             out = prefill_logits(loaded, [ids], device, cache_dtype)[0].double().log_softmax(-1)
             totals[key] += float((ref.exp() * (ref - out)).sum())
         count += len(ids)
@@ -95,7 +95,7 @@ def kv_perplexities(model_dir: str, text: str, dtypes: list[str],
             states[(name, keys)] = (cache_dtype, state)
     rows = []
     for (name, keys), (cache_dtype, state) in states.items():
-        _install(attns, state)
+        _install(loaded, state)
         ppl = perplexity(lambda ids: prefill_logits(loaded, [ids], device, cache_dtype)[0],
                          tok, text, max_paragraphs=max_paragraphs)
         spec = plan_kv_cache(CacheConfig(kv_cache_dtype=name), loaded.shape, loaded.dtype,
@@ -111,7 +111,7 @@ def kv_perplexities(model_dir: str, text: str, dtypes: list[str],
         r["ppl_change_pct"] = round((r["perplexity"] / base["perplexity"] - 1) * 100, 3)
         r["kl_nats_per_token"] = float(f"{kl[(r['kv_cache_dtype'], r['keys'])]:.3e}")
         r["pool_ratio"] = round(r["pool_tokens_256MiB"] / base["pool_tokens_256MiB"], 3)
-    _install(attns, None)
+    _install(loaded, None)
     return rows
 
 

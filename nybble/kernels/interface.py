@@ -51,17 +51,6 @@ class AttentionMetadata:
     max_seq_len: int
     is_decode_only: bool
     plan: Any = None
-
-    def new_token_positions(self) -> torch.Tensor:
-        """``[T]`` int64: each new token's position in its sequence (``seq_lens[i] - q_len_i +
-        t``), computed on the metadata's device with fixed shapes (no host sync, so a CUDA
-        graph can capture it). Rows past the last sequence's tokens (graph padding) get
-        positions past it; callers clamp to their tables."""
-        qsl = self.query_start_loc.long()
-        ends = qsl[1:]
-        tokens = torch.arange(self.slot_mapping.shape[0], device=qsl.device)
-        seq = torch.searchsorted(ends, tokens, right=True).clamp_(max=ends.shape[0] - 1)
-        return (self.seq_lens.long()[seq] - ends[seq] + tokens).clamp_(min=0)
 class AttentionBackend(Protocol):
     """A paged-attention implementation.
 

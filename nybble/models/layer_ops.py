@@ -15,6 +15,7 @@ them (vLLM's piecewise compilation).
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -70,7 +71,7 @@ class LayerOps:
     mlp_out_norm: Fn | None = None
     rope_index: int = 0
     moe: Fn | None = None
-
+    keys_before_rope: bool = False
     @classmethod
     def of(cls, layer: DecoderLayerParts,
            adapt: Callable[[str, Fn], Fn] | None = None) -> LayerOps:
@@ -100,14 +101,15 @@ class LayerOps:
                 down = _all_reduced(down, tp)
         sandwich = getattr(layer, "sandwich", False)
         pre_mlp = layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm
+        before_rope = getattr(attn, "rotary_keys", None) is not None
         return cls(as_function(layer.input_layernorm), qkv, o_proj, as_function(pre_mlp),
-                   gate_up, down, attn.attend,
+                   gate_up, down, functools.partial(attn.attend, keys_before_rope=before_rope),
                    attn.rope, attn.num_heads, attn.num_kv_heads, attn.head_dim,
                    getattr(mlp, "act", silu_and_mul), _optional(getattr(attn, "q_norm", None)),
                    _optional(getattr(attn, "k_norm", None)),
                    as_function(layer.post_attention_layernorm) if sandwich else None,
                    as_function(layer.post_feedforward_layernorm) if sandwich else None,
-                   getattr(attn, "rope_index", 0), moe_fn)
+                   getattr(attn, "rope_index", 0), moe_fn, before_rope)
 
 
 def no_dense_mlp(x: torch.Tensor) -> torch.Tensor:
@@ -150,11 +152,18 @@ Rot = tuple[tuple[torch.Tensor, torch.Tensor], ...]
 def pre_attention(ops: LayerOps, h: torch.Tensor, rot: Rot
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Norm, fused q/k/v projection, per-head q/k norms (when the family has them) and RoPE:
-    ``h [T, hidden]`` -> rotated ``q [T, Hq, D]``, ``k [T, Hkv, D]`` and ``v [T, Hkv, D]``."""
+    ``h [T, hidden]`` -> rotated ``q [T, Hq, D]``, ``k [T, Hkv, D]`` and ``v [T, Hkv, D]``.
+    A layer whose quantized cache holds keys before RoPE (``ops.keys_before_rope``) gets its
+    keys unrotated: the attention kernels rotate them as they read them."""
     num_tokens = h.shape[0]
     cos, sin = rot[ops.rope_index]
     qkv = ops.qkv(ops.input_norm(h)).view(num_tokens, -1, ops.head_dim)  # (T, Hq + 2 Hkv, D)
     hq, qk_heads = ops.num_heads, ops.num_heads + ops.num_kv_heads
+    if ops.keys_before_rope:
+        q, k = qkv[:, :hq], qkv[:, hq:qk_heads]
+        if ops.q_norm is not None and ops.k_norm is not None:
+            q, k = ops.q_norm(q), ops.k_norm(k)
+        return ops.rope.apply(q, cos, sin), k, qkv[:, qk_heads:]
     if ops.q_norm is not None and ops.k_norm is not None:
         q = ops.rope.apply(ops.q_norm(qkv[:, :hq]), cos, sin)
         return q, ops.rope.apply(ops.k_norm(qkv[:, hq:qk_heads]), cos, sin), qkv[:, qk_heads:]

@@ -92,27 +92,32 @@ class LlamaAttention(nn.Module):
         # the quantized cache holds pre-RoPE keys), or None
         self.rotary_keys: RotaryKeys | None = None
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+               kv_cache: torch.Tensor, meta: AttentionMetadata,
+               keys_before_rope: bool = False) -> torch.Tensor:
         """Write this step's ``k``/``v`` ``[T, Hkv, D]`` into ``kv_cache`` and attend with
-        ``q [T, Hq, D]``: ``[T, Hq * D]`` (before ``o_proj``)."""
+        ``q [T, Hq, D]``: ``[T, Hq * D]`` (before ``o_proj``). ``k`` is rotated, or before
+        RoPE when the layer's quantized cache holds keys before RoPE (``rotary_keys`` set:
+        :func:`nybble.models.layer_ops.pre_attention` leaves them unrotated, and says so with
+        ``keys_before_rope``).
+
+        Raises:
+            RuntimeError: ``keys_before_rope`` disagrees with the layer (the model's ops were
+                built before ``rotary_keys`` changed: :meth:`LlamaForCausalLM.drop_ops`).
+        """
+        if keys_before_rope != (self.rotary_keys is not None):
+            raise RuntimeError("the step's keys are " + ("before" if keys_before_rope else
+                               "after") + " RoPE but the layer's cache expects the other: "
+                               "call drop_ops() after changing rotary_keys")
         extra = self._extra
         if self.key_smoothing is not None:
             if self.rotary_keys is not None:
-                # NOTE: the cache holds keys before RoPE: the kernels rotate them as they read
-                k = self._unrotated(k, meta)
+                # NOTE: ``k`` is before RoPE (pre_attention): the kernels rotate as they read
                 extra = {**extra, "rotary_keys": self.rotary_keys}
             q, k = self.key_smoothing.queries(q), self.key_smoothing.keys(k)
         self.backend.reshape_and_cache(k, v, kv_cache, meta, self.kv_scale)
         out = self.backend.forward(q, kv_cache, meta, self.scale, self.kv_scale,
                                    **extra)  # (T, Hq, D)
         return out.view(q.shape[0], self.q_size)
-
-    def _unrotated(self, k: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """The step's rotated keys ``k [T, Hkv, D]`` back before RoPE (their positions come
-        from ``meta``)."""
-        positions = meta.new_token_positions().clamp_(max=self.rope.cos_sin.shape[0] - 1)
-        cos, sin = self.rope.lookup(positions, k.dtype)
-        return self.rope.unapply(k, cos, sin)
 class LlamaMLP(nn.Module):
     """Gated feed-forward (SwiGLU, or GeGLU-tanh for Gemma) with a fused gate/up projection
     (run by :func:`nybble.models.layer_ops.post_attention`)."""
@@ -276,6 +281,11 @@ class LlamaForCausalLM(nn.Module):
         self._ops = None
         self.fused_decode = None     # NOTE: built again with the slots (enable_fused_cpu_decode)
         return self.lora
+
+    def drop_ops(self) -> None:
+        """Forget the built :meth:`ops`, so the next use reads the layers afresh (after the
+        KV-cache calibration changes what their attention expects)."""
+        self._ops = None
 
     def ops(self) -> ModelOps:
         """The model as plain callables (:class:`ModelOps`), built on first use: after the

@@ -16,6 +16,17 @@ _GPU_MEMORY = parse_bytes("16GiB")
 """``--gpu-memory``'s default."""
 
 
+def _gpu_memory(text: str) -> int:
+    """``--gpu-memory``: a size (:func:`~nybble.engine_args.parse_bytes`); a number without a
+    unit under 1024 (bytes, surely meant as GiB: ``24``) is refused."""
+    size = parse_bytes(text)
+    if size < 1024:
+        raise argparse.ArgumentTypeError(
+            f"must be a size such as 24GiB, got {text!r} ({size} bytes: a number without a "
+            f"unit is bytes; did you mean {text.strip()}GiB?)")
+    return size
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``plan`` subcommand."""
     p = subparsers.add_parser(
@@ -27,7 +38,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("model", metavar="MODEL", nargs="?", default=DEFAULT_MODEL,
                    help="model folder (config.json + *.safetensors) or a .gguf file; default: "
                         "the bundled stories260k model")
-    p.add_argument("--gpu-memory", type=parse_bytes, default=_GPU_MEMORY,
+    p.add_argument("--gpu-memory", type=_gpu_memory, default=_GPU_MEMORY,
                    help="memory of one GPU, e.g. 24GiB (default: 16GiB)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="tokens per sequence, prompt + output (default: the model's "

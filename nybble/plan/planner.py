@@ -192,7 +192,8 @@ def format_plan(plan: MemoryPlan, model: str, defaults: Collection[str] = ()) ->
         f"{plan.pool_tokens} tokens",
         f"sequences        {plan.num_sequences} of {plan.max_model_len} tokens fit at once"
         + default("--max-model-len", "the model's max_position_embeddings"),
-        f"longest context  {plan.max_context} tokens for one sequence",
+        f"longest context  {plan.max_context} tokens for one sequence (the most "
+        f"--max-model-len can be here)",
     ]
     if plan.advice:
         lines.append("nothing fits; to change:")

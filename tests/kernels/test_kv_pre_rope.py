@@ -1,6 +1,6 @@
 """Keys cached before RoPE (:class:`nybble.kernels.kv_quant.RotaryKeys`): the rotation the
-kernels apply as they read, its inverse on the write side, the new tokens' positions, and the
-torch reference and Cython decode kernel against a float64 oracle.
+kernels apply as they read, its inverse (the calibration's), and the torch reference and Cython
+decode kernel against a float64 oracle.
 
 The oracle builds the float64 cache the quantized one stands for, with every key rotated by
 its own position (written out here as the rotate-half formula of RoFormer, Su et al. 2021,
@@ -92,20 +92,6 @@ def test_unapply_inverts_apply() -> None:
     partial = RotaryEmbedding(Partial(), 8, 16, torch.device("cpu"))
     with pytest.raises(ValueError, match="full-width"):
         partial.unapply(x, *partial.lookup(torch.zeros(9, dtype=torch.long), torch.float64))
-
-
-def test_new_token_positions_follow_the_metadata() -> None:
-    """Token ``t`` of sequence ``i`` sits at ``seq_lens[i] - q_len_i + t``; rows past the last
-    sequence (graph padding) are clamped at zero or run on, never negative."""
-    meta = AttentionMetadata(
-        slot_mapping=torch.arange(9), query_start_loc=torch.tensor([0, 3, 4, 7], dtype=torch.int32),
-        seq_lens=torch.tensor([3, 10, 20], dtype=torch.int32),
-        block_tables=torch.zeros(3, 2, dtype=torch.int32), max_query_len=3, max_seq_len=20,
-        is_decode_only=False)
-    pos = meta.new_token_positions()
-    assert pos.dtype == torch.int64
-    assert pos[:7].tolist() == [0, 1, 2, 9, 17, 18, 19]
-    assert (pos[7:] >= 0).all()
 
 
 REF_CASES = [

@@ -163,6 +163,18 @@ def test_cli_plans_the_bundled_model_without_a_path(capsys: pytest.CaptureFixtur
     assert "stories260k" in capsys.readouterr().out
 
 
+def test_a_gpu_memory_without_a_unit_is_refused_when_it_cannot_be_bytes(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``--gpu-memory 24`` is 24 bytes: refused with the unit it probably meant."""
+    with pytest.raises(SystemExit):
+        main(["plan", "--gpu-memory", "24"])
+    assert "did you mean 24GiB?" in capsys.readouterr().err
+    assert main(["plan", "--gpu-memory", str(64 << 20)]) == 0   # bytes, spelled out
+    out = capsys.readouterr().out
+    assert "GPU memory       0.06 GiB" in out
+    assert "(the most --max-model-len can be here)" in out
+
+
 def test_the_plan_marks_what_was_left_at_its_default(capsys: pytest.CaptureFixture[str]) -> None:
     """Each value the user did not set says so and names its flag; set ones say nothing."""
     assert main(["plan"]) == 0

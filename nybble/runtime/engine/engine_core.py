@@ -27,8 +27,9 @@ from nybble.runtime.scheduler.batch import ScheduledBatch
 from nybble.runtime.engine.beam_core import BeamCoordinator, add_results
 from nybble.runtime.worker.draft_proposer import DraftProposer
 from nybble.runtime.scheduler.scheduler_input import pool_tokens, window_blocks
-from nybble.runtime.worker.kv_plan import (fit_max_model_len, is_quantized_kv, plan_kv_cache,
-                                           resolve_kv_cache_dtype, scheduler_window)
+from nybble.runtime.worker.kv_plan import (fit_max_model_len, is_quantized_kv, kv_storage_dtype,
+                                           plan_kv_cache, resolve_kv_cache_dtype,
+                                           scheduler_window)
 from nybble.runtime.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -237,14 +238,17 @@ class EngineCore:
             logger.info("quantization report: %s", report)
         pool_tokens = spec.num_blocks * spec.block_size
         if is_quantized_kv(spec.dtype):
-            model_elem = torch.empty((), dtype=loaded.dtype).element_size()
-            plain = spec.total_bytes // (spec.bytes_per_block * model_elem) * spec.block_size
-            logger.info("KV cache dtype %s (scales and key smoothing calibrated at start-up): "
-                        "the pool holds %d tokens, %.2fx the %d tokens of a %s cache of the same "
-                        "bytes",
+            # NOTE: compared with the cache `auto` gives this model (bfloat16 on the CPU's
+            # rounding paths, else the model's dtype), the one a user would otherwise get
+            auto = kv_storage_dtype(resolve_kv_cache_dtype("auto", loaded.dtype,
+                                                           loaded.cpu_activations), loaded.dtype)
+            auto_elem = torch.empty((), dtype=auto).element_size()
+            plain = spec.total_bytes // (spec.bytes_per_block * auto_elem) * spec.block_size
+            logger.info("KV cache dtype %s (scales calibrated at start-up, keys cached before "
+                        "RoPE): the pool holds %d tokens, %.2fx the %d tokens of the %s cache "
+                        "`auto` gives, in the same bytes",
                         self.kv_cache_dtype, pool_tokens,
-                        pool_tokens / max(plain, 1), plain,
-                        str(loaded.dtype).replace("torch.", ""))
+                        pool_tokens / max(plain, 1), plain, str(auto).replace("torch.", ""))
 
     def request_limits(self) -> RequestLimits:
         """What the request gate checks requests against."""

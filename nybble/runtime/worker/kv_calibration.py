@@ -81,6 +81,7 @@ def calibrate_kv_scales(loaded: LoadedModel, cache_dtype: torch.dtype, device: t
     attns = [layer.self_attn for layer in loaded.model.layers]
     for attn in attns:
         attn.kv_scale, attn.key_smoothing, attn.rotary_keys = None, None, None
+    loaded.model.drop_ops()
     num_tokens = min(CALIBRATION_TOKENS, loaded.max_model_len)
     ids = calibration_token_ids(loaded.shape.vocab_size, num_tokens)
     caches: list[torch.Tensor] = []
@@ -118,4 +119,6 @@ def calibrate_kv_scales(loaded: LoadedModel, cache_dtype: torch.dtype, device: t
         scale = torch.stack([key_scale, value_scale]).clamp_(min=1e-8)
         attn.kv_scale = scale.to(device=device, dtype=torch.float32).contiguous()
         scales.append(attn.kv_scale)
+    # NOTE: layers with pre-RoPE keys get them unrotated from now on (LayerOps)
+    loaded.model.drop_ops()
     return scales

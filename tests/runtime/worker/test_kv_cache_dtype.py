@@ -63,9 +63,9 @@ def test_one_byte_elements_hold_four_times_the_tokens_of_fp32(kv_dtype: str, sto
     (line,) = [r.getMessage() for r in caplog.records if "KV cache dtype" in r.getMessage()]
     tokens = core.kv_spec.num_blocks * 16
     plain = core.kv_spec.num_blocks * 5120 // 20480 * 16  # fp32 blocks in the same bytes
-    assert line == (f"KV cache dtype {kv_dtype} (scales and key smoothing calibrated at "
-                    f"start-up): the pool holds {tokens} tokens, {tokens / plain:.2f}x the {plain} tokens of "
-                    f"a float32 cache of the same bytes")
+    assert line == (f"KV cache dtype {kv_dtype} (scales calibrated at start-up, keys cached "
+                    f"before RoPE): the pool holds {tokens} tokens, {tokens / plain:.2f}x the "
+                    f"{plain} tokens of the float32 cache `auto` gives, in the same bytes")
     assert 3.99 < tokens / plain < 4.03
     # n=2 samples share the prompt's blocks: the copy-on-write path copies quantized blocks
     params = SamplingParams(max_tokens=12, temperature=0.8, seed=3, n=2)
@@ -137,7 +137,8 @@ def test_auto_is_bfloat16_only_on_the_cpu_rounding_paths(choice, model, activati
     assert resolve_kv_cache_dtype(choice, model, activations) == want
 
 
-def test_a_quantized_model_on_the_cpu_gets_a_bfloat16_cache_unless_exact() -> None:
+def test_a_quantized_model_on_the_cpu_gets_a_bfloat16_cache_unless_exact(
+        caplog: pytest.LogCaptureFixture) -> None:
     """A GGUF Q4_0 model (stories3m): ``auto`` allocates bfloat16 on the integer-dot path,
     float32 on the exact path (``cpu_activation_dtype float32``) and with
     ``kv_cache_dtype float32``; the F32 GGUF of the same model gets float32."""
@@ -154,6 +155,12 @@ def test_a_quantized_model_on_the_cpu_gets_a_bfloat16_cache_unless_exact() -> No
         engine = LLMEngine.from_engine_args(path, kv_cache_memory=BUDGET, **kw).engine_core
         assert all(c.dtype == want for c in engine.runner.kv_caches), (kw, want)
         assert engine.kv_spec.dtype == want
+    # a one-byte cache's start-up line compares with the cache auto gives: 2x a bfloat16 one
+    with caplog.at_level(logging.INFO, logger="nybble.runtime.engine.engine_core"):
+        LLMEngine.from_engine_args(path, kv_cache_memory=BUDGET, kv_cache_dtype="int8",
+                                   cpu_activation_dtype="int16")
+    (line,) = [r.getMessage() for r in caplog.records if "KV cache dtype int8" in r.getMessage()]
+    assert "2.00x the" in line and "tokens of the bfloat16 cache `auto` gives" in line
     # a GGUF of float tensors only has no quantized layer: the model's dtype
     f32 = shared_path("fixtures", "gguf", "stories3m-F32.gguf")
     engine = LLMEngine.from_engine_args(f32, kv_cache_memory=BUDGET).engine_core
@@ -184,6 +191,7 @@ def test_scales_follow_the_formula() -> None:
     rotary = [a.rotary_keys for a in attns]
     for attn in attns:
         attn.kv_scale = attn.key_smoothing = attn.rotary_keys = None
+    loaded.model.drop_ops()
     caches: list[torch.Tensor] = []
     n = min(512, loaded.max_model_len)
     prefill_logits(loaded, [calibration_token_ids(loaded.shape.vocab_size, n)],
@@ -264,6 +272,21 @@ def test_pre_rope_keys_read_alike_on_both_cpu_paths(kv_dtype: str) -> None:
         for la, lb in zip(a.logprobs, b.logprobs):
             assert la.keys() == lb.keys()
             assert all(abs(la[t] - lb[t]) < 1e-4 for t in la)
+
+
+def test_ops_built_for_other_keys_are_refused_not_misread() -> None:
+    """The model's ops decide whether a layer's keys leave ``pre_attention`` rotated; changing
+    a layer's ``rotary_keys`` without ``drop_ops()`` is a clear error, not a cache of keys
+    read at the wrong angle."""
+    loaded = make_engine(kv_cache_dtype="fp8_e4m3", num_gpu_blocks=64).engine_core.loaded
+    attn = loaded.model.layers[2].self_attn
+    ids = calibration_token_ids(loaded.shape.vocab_size, 12)
+    prefill_logits(loaded, [ids], cache_dtype=torch.float8_e4m3fn)
+    keys, attn.rotary_keys = attn.rotary_keys, None
+    with pytest.raises(RuntimeError, match="call drop_ops"):
+        prefill_logits(loaded, [ids], cache_dtype=torch.float8_e4m3fn)
+    attn.rotary_keys = keys
+    prefill_logits(loaded, [ids], cache_dtype=torch.float8_e4m3fn)
 
 
 def _held_out_rows(model: str, paragraphs: int) -> list[dict]:
