@@ -26,7 +26,7 @@ def parse_bytes(text: str) -> int:
             if lower.endswith(suffix):
                 return int(float(lower[: -len(suffix)]) * mult)
         return int(float(lower))
-    except ValueError:
+    except (ValueError, OverflowError):   # NOTE: int(float("inf")) overflows
         raise argparse.ArgumentTypeError(
             f"must be a size in bytes such as 268435456, 256MiB or 1GiB, got {text!r}") from None
 

@@ -17,13 +17,15 @@ _GPU_MEMORY = parse_bytes("16GiB")
 
 
 def _gpu_memory(text: str) -> int:
-    """``--gpu-memory``: a size (:func:`~nybble.engine_args.parse_bytes`); a number without a
-    unit under 1024 (bytes, surely meant as GiB: ``24``) is refused."""
+    """``--gpu-memory``: a size (:func:`~nybble.engine_args.parse_bytes`) of at least 1 KiB;
+    a bare number under that (``24``: bytes, surely meant as GiB) gets the unit it meant."""
     size = parse_bytes(text)
     if size < 1024:
+        bare = text.strip().replace(".", "", 1).isdigit()
+        hint = f"; did you mean {text.strip()}GiB?" if bare else ""
         raise argparse.ArgumentTypeError(
-            f"must be a size such as 24GiB, got {text!r} ({size} bytes: a number without a "
-            f"unit is bytes; did you mean {text.strip()}GiB?)")
+            f"must be a size of at least 1KiB such as 24GiB, got {text!r} ({size} bytes"
+            + (": a number without a unit is bytes" if bare else "") + hint + ")")
     return size
 
 

@@ -169,6 +169,11 @@ def test_a_gpu_memory_without_a_unit_is_refused_when_it_cannot_be_bytes(
     with pytest.raises(SystemExit):
         main(["plan", "--gpu-memory", "24"])
     assert "did you mean 24GiB?" in capsys.readouterr().err
+    for text in ("0GiB", "512B", "inf"):     # a unit given: no unit suggested; inf: no crash
+        with pytest.raises(SystemExit):
+            main(["plan", "--gpu-memory", text])
+        err = capsys.readouterr().err
+        assert "argument --gpu-memory: must be a size" in err and "did you mean" not in err
     assert main(["plan", "--gpu-memory", str(64 << 20)]) == 0   # bytes, spelled out
     out = capsys.readouterr().out
     assert "GPU memory       0.06 GiB" in out
