@@ -165,6 +165,11 @@ class CacheConfig:
             ``int8`` or ``fp8_e4m3`` (one byte per element with per-head scales calibrated at
             start-up, so a budget holds about twice the tokens of a 16-bit cache); vLLM's
             ``--kv-cache-dtype``; see docs/kv-cache.md.
+        gpu_memory_utilization: vLLM's ``--gpu-memory-utilization`` on a GPU: the fraction
+            of the GPU's total memory the engine may hold, weights included; the pool gets
+            what is left of it once the weights are loaded (``None``: 90% of the memory free
+            after the weights). ``kv_cache_memory`` and ``num_gpu_blocks`` override it; the
+            CPU ignores it (its pool is sized by ``kv_cache_memory``), with a warning.
     """
 
     block_size: int = 16
@@ -172,9 +177,12 @@ class CacheConfig:
     kv_cache_memory: int | None = None
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"
+    gpu_memory_utilization: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_cache_dtype", canonical_kv_cache_dtype(self.kv_cache_dtype))
+        _check(self.gpu_memory_utilization is None or 0 < self.gpu_memory_utilization <= 1,
+               "gpu_memory_utilization", "in (0, 1]", self.gpu_memory_utilization)
         _check(self.block_size in (8, 16, 32), "block_size", "8, 16 or 32", self.block_size)
         _check(self.num_gpu_blocks is None or self.num_gpu_blocks >= 1,
                "num_gpu_blocks", ">= 1", self.num_gpu_blocks)

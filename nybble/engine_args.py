@@ -98,6 +98,10 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
                              "grown to one max-model-len sequence within a quarter of RAM; "
                              "90%% of free memory on GPU; a model context that does not fit "
                              "lowers max-model-len)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None,
+                        help="on a GPU, the fraction of its total memory the engine may hold, "
+                             "weights included (vLLM's flag; default: the pool gets 90%% of "
+                             "the memory free after the weights); ignored on the CPU")
     parser.add_argument("--kv-cache-dtype", default="auto",
                         choices=list(KV_CACHE_DTYPE_FLAG_CHOICES),
                         type=canonical_kv_cache_dtype,
@@ -184,6 +188,7 @@ def engine_config_from_args(args: argparse.Namespace,
         cpu_activation_dtype=args.cpu_activation_dtype,
         cpu_prefill_gemm=args.cpu_prefill_gemm, block_size=args.block_size,
         num_gpu_blocks=args.num_gpu_blocks, kv_cache_memory=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=args.enable_prefix_caching, kv_cache_dtype=args.kv_cache_dtype,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         enable_chunked_prefill=args.enable_chunked_prefill,

@@ -29,6 +29,17 @@ def _gpu_memory(text: str) -> int:
     return size
 
 
+def _fraction(text: str) -> float:
+    """``--gpu-memory-utilization``: a number in ``(0, 1]``."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a fraction in (0, 1] such as 0.9, got {text!r}")
+    return value
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``plan`` subcommand."""
     p = subparsers.add_parser(
@@ -55,6 +66,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                    help="serving dtype (auto: the checkpoint's, float32 becomes float16, as "
                         "the engine does on a GPU)")
+    p.add_argument("--gpu-memory-utilization", type=_fraction, default=None,
+                   help="the fraction of the GPU the engine may hold, weights included, as "
+                        "`nybble serve --gpu-memory-utilization` (default: 90%% of the memory "
+                        "free after the weights)")
     p.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32],
                    help="tokens per KV-cache block")
     p.set_defaults(func=run)
@@ -76,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
     hf_config = load_hf_config(config_folder(args.model))
     dtype = str(resolve_dtype(args.dtype, hf_config, torch.device("cuda"))).replace("torch.", "")
     request = PlanRequest(args.gpu_memory, args.max_model_len, args.kv_cache_dtype,
-                          args.tensor_parallel_size, dtype, args.block_size)
+                          args.tensor_parallel_size, dtype, args.block_size,
+                          args.gpu_memory_utilization)
     tensors = gguf_tensors(args.model) if is_gguf(args.model) else checkpoint_tensors(args.model)
     plan = plan_memory(ModelShape.from_hf_config(hf_config), tensors,
                        int(getattr(hf_config, "max_position_embeddings", 2048)), request)

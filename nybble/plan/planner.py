@@ -23,6 +23,7 @@ from nybble.runtime.worker.kv_plan import (
     blocks_in_budget,
     blocks_per_sequence,
     kv_budget_from_free,
+    kv_budget_from_utilization,
     kv_element_bytes,
     kv_heads_per_rank,
 )
@@ -40,6 +41,9 @@ class PlanRequest:
         dtype: serving dtype of the floating weights and an ``auto`` KV cache
             (``float16``, ``bfloat16``, ``float32``).
         block_size: tokens per KV block.
+        gpu_memory_utilization: vLLM's fraction of the GPU the engine may hold, weights
+            included; ``None``: the engine's default (90% of the memory free after the
+            weights).
     """
 
     gpu_memory: int
@@ -48,8 +52,7 @@ class PlanRequest:
     tensor_parallel_size: int = 1
     dtype: str = "float16"
     block_size: int = 16
-
-
+    gpu_memory_utilization: float | None = None
 @dataclass(frozen=True)
 class MemoryPlan:
     """The plan for one GPU (one tensor-parallel rank).
@@ -115,7 +118,10 @@ def plan_memory(shape: ModelShape, tensors: dict[str, TensorInfo], model_limit: 
     tp = request.tensor_parallel_size
     layout = kv_layout(shape, request)
     weights = weight_bytes(tensors, request.dtype, tp)
-    budget = kv_budget_from_free(request.gpu_memory - weights)
+    free = request.gpu_memory - weights
+    budget = (kv_budget_from_free(free) if request.gpu_memory_utilization is None else
+              kv_budget_from_utilization(free, request.gpu_memory,
+                                         request.gpu_memory_utilization))
     blocks = blocks_in_budget(budget, layout)
     seqs = blocks // blocks_per_sequence(max_len, request.block_size)
     plan = MemoryPlan(request, weights, layout.bytes_per_token, budget, blocks,
@@ -186,8 +192,9 @@ def format_plan(plan: MemoryPlan, model: str, defaults: Collection[str] = ()) ->
            f"{gain:.2f}x the tokens of a {req.dtype} cache") + default("--kv-cache-dtype"),
         f"KV per token     {plan.kv_bytes_per_token} bytes "
         f"({plan.kv_bytes_per_token / 1024:.1f} KiB)",
-        f"KV budget        {plan.kv_budget} bytes ({plan.kv_budget / mib:.1f} MiB: 90% of the "
-        f"memory left after the weights)",
+        f"KV budget        {plan.kv_budget} bytes ({plan.kv_budget / mib:.1f} MiB: "
+        + ("90% of the memory left after the weights" if req.gpu_memory_utilization is None
+           else f"{req.gpu_memory_utilization:g} of the GPU less the weights") + ")",
         f"KV pool          {plan.num_blocks} blocks x {req.block_size} tokens = "
         f"{plan.pool_tokens} tokens",
         f"sequences        {plan.num_sequences} of {plan.max_model_len} tokens fit at once"

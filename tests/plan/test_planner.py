@@ -3,6 +3,7 @@ allocation), weight bytes from safetensors headers checked against the loaded mo
 safetensors library, tensor parallelism, the CLI's output and its advice when nothing fits."""
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
@@ -55,6 +56,42 @@ def test_the_planner_and_the_engine_agree_on_a_gpu(kv_dtype: str, gpu_gib: int,
     assert spec.bytes_per_block == 16 * plan.kv_bytes_per_token
     assert plan.num_sequences == plan.num_blocks // 16  # 256 tokens = 16 blocks
     assert plan.max_context == 512  # capped by max_position_embeddings
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.95])
+def test_gpu_memory_utilization_is_vllms_share_of_the_whole_gpu(
+        fraction: float, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``--gpu-memory-utilization F``: the engine may hold ``F`` of the GPU, weights included,
+    so the pool gets ``F * total - weights`` (the CUDA query faked), as ``nybble plan``
+    computes it."""
+    gpu = 1 << 30
+    request = PlanRequest(gpu, 256, dtype="float16", gpu_memory_utilization=fraction)
+    plan = plan_memory(SHAPE, TENSORS, 512, request)
+    free = gpu - plan.weight_bytes
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, gpu))
+    spec = plan_kv_cache(CacheConfig(gpu_memory_utilization=fraction), SHAPE, torch.float16,
+                         torch.device("cuda"))
+    want = (int(gpu * fraction) - plan.weight_bytes) // spec.bytes_per_block
+    assert spec.num_blocks == plan.num_blocks == want
+    assert main(["plan", "--gpu-memory", "1GiB", "--gpu-memory-utilization", str(fraction)]) == 0
+    assert f"MiB: {fraction:g} of the GPU less the weights)" in capsys.readouterr().out
+    for bad in ("0", "1.5", "x"):
+        with pytest.raises(SystemExit):
+            main(["plan", "--gpu-memory-utilization", bad])
+        assert "must be a fraction in (0, 1]" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization must be in \(0, 1\]"):
+        CacheConfig(gpu_memory_utilization=1.5)
+
+
+def test_gpu_memory_utilization_is_ignored_on_the_cpu_with_a_warning(
+        caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="nybble.runtime.worker.kv_plan"):
+        spec = plan_kv_cache(CacheConfig(gpu_memory_utilization=0.5), SHAPE, torch.float32,
+                             torch.device("cpu"), 512)
+    plain = plan_kv_cache(CacheConfig(), SHAPE, torch.float32, torch.device("cpu"), 512)
+    assert spec.num_blocks == plain.num_blocks
+    assert any("ignored on the CPU" in r.getMessage() for r in caplog.records)
 
 
 def test_weight_bytes_equal_the_loaded_model() -> None:

@@ -15,6 +15,7 @@ scales are a fixed ``8 * num_layers * num_kv_heads`` bytes, outside the blocks.
 """
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -25,6 +26,8 @@ if TYPE_CHECKING:
     import torch
 
     from nybble.models.shape import ModelShape
+
+logger = logging.getLogger(__name__)
 
 GPU_MEMORY_FRACTION = 0.9
 """Share of the free device memory (after the weights) the KV pool takes on a GPU."""
@@ -103,6 +106,13 @@ def kv_budget_from_free(free_bytes: int) -> int:
     """The KV budget (bytes) the engine takes from ``free_bytes`` of device memory left after
     the weights: :data:`GPU_MEMORY_FRACTION` of it (the rest is activations' headroom)."""
     return int(max(free_bytes, 0) * GPU_MEMORY_FRACTION)
+
+
+def kv_budget_from_utilization(free_bytes: int, total_bytes: int, fraction: float) -> int:
+    """The KV budget (bytes) under vLLM's ``--gpu-memory-utilization``: the engine may hold
+    ``fraction`` of the device's ``total_bytes``, and what it holds already (``total - free``,
+    the weights) comes off that; 0 when the weights alone take more."""
+    return max(int(total_bytes * fraction) - (total_bytes - free_bytes), 0)
 
 
 def blocks_in_budget(budget_bytes: int, layout: KVLayout) -> int:
@@ -272,7 +282,7 @@ def plan_kv_cache(cache: CacheConfig, shape: ModelShape, dtype: torch.dtype,
     Without either flag the budget on CPU is :func:`default_cpu_kv_budget` (256 MiB, grown to
     hold one sequence of ``max_model_len`` tokens within a quarter of the machine's memory),
     or :func:`kv_budget_from_free` of the free device memory (after the weights are loaded)
-    on CUDA; blocks come from :func:`blocks_in_budget` (the functions ``nybble plan`` uses).
+    on CUDA, :func:`kv_budget_from_utilization` there with ``gpu_memory_utilization``; blocks come from :func:`blocks_in_budget` (the functions ``nybble plan`` uses).
     ``cache.kv_cache_dtype`` picks the storage dtype (``dtype``, the model's, for ``auto``).
 
     Raises:
@@ -292,8 +302,13 @@ def plan_kv_cache(cache: CacheConfig, shape: ModelShape, dtype: torch.dtype,
             if device.type == "cuda":
                 import torch
 
-                budget = kv_budget_from_free(torch.cuda.mem_get_info(device)[0])
+                free, total = torch.cuda.mem_get_info(device)
+                budget = (kv_budget_from_free(free) if cache.gpu_memory_utilization is None else
+                          kv_budget_from_utilization(free, total, cache.gpu_memory_utilization))
             else:
+                if cache.gpu_memory_utilization is not None:
+                    logger.warning("--gpu-memory-utilization applies to a GPU and is ignored "
+                                   "on the CPU; size the KV pool with --kv-cache-memory")
                 budget = default_cpu_kv_budget(spec.layout, max_model_len or 1,
                                                _memory_limit(device)[0])
         num_blocks = blocks_in_budget(budget, spec.layout)
