@@ -12,6 +12,7 @@ Tensor parallelism (``tensor_parallel_size`` > 1) is planned as ``nybble serve
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Collection
 from dataclasses import dataclass, replace
 
@@ -144,6 +145,15 @@ def _advice(plan: MemoryPlan, shape: ModelShape, tensors: dict[str, TensorInfo],
     elif plan.max_context > 0:
         out.append(f"lower --max-model-len to {plan.max_context} or less (one sequence of "
                    f"{plan.max_context} tokens fits)")
+    if req.gpu_memory_utilization is not None and req.gpu_memory_utilization < 1:
+        # NOTE: the smallest share of the GPU (hundredths, rounded up) that holds the weights
+        # and one whole sequence, when the whole GPU does
+        need = plan.weight_bytes + blocks_per_sequence(plan.max_model_len, req.block_size) * \
+            req.block_size * plan.kv_bytes_per_token
+        share = math.ceil(need / req.gpu_memory * 100) / 100
+        if req.gpu_memory_utilization < share <= 1:
+            out.append(f"--gpu-memory-utilization {share:.2f} or more: the weights and one "
+                       f"sequence of {plan.max_model_len} tokens fit")
     for kv_dtype in (d for d in KV_CACHE_DTYPES if d not in ("auto", "float32")):
         if req.kv_cache_dtype == "auto":
             alt = plan_memory(shape, tensors, model_limit, replace(req, kv_cache_dtype=kv_dtype),

@@ -84,6 +84,22 @@ def test_gpu_memory_utilization_is_vllms_share_of_the_whole_gpu(
         CacheConfig(gpu_memory_utilization=1.5)
 
 
+def test_too_small_a_gpu_memory_utilization_is_advised_up() -> None:
+    """Nothing fits under 0.005 of 64 MiB: the advice names the smallest share (hundredths)
+    that holds the weights and one 512-token sequence, and that share really fits."""
+    gpu = 64 << 20
+    plan = plan_memory(SHAPE, TENSORS, 512, PlanRequest(gpu, dtype="float16",
+                                                        gpu_memory_utilization=0.005))
+    assert plan.num_sequences == 0
+    need = plan.weight_bytes + 32 * 16 * plan.kv_bytes_per_token   # 512 tokens = 32 blocks
+    share = -(-need * 100 // gpu) / 100
+    assert f"--gpu-memory-utilization {share:.2f} or more: the weights and one sequence of " \
+           f"512 tokens fit" in plan.advice
+    fits = plan_memory(SHAPE, TENSORS, 512, PlanRequest(gpu, dtype="float16",
+                                                        gpu_memory_utilization=share))
+    assert fits.num_sequences >= 1
+
+
 def test_gpu_memory_utilization_is_ignored_on_the_cpu_with_a_warning(
         caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="nybble.runtime.worker.kv_plan"):
