@@ -51,6 +51,8 @@ class AttentionMetadata:
     max_seq_len: int
     is_decode_only: bool
     plan: Any = None
+
+
 class AttentionBackend(Protocol):
     """A paged-attention implementation.
 

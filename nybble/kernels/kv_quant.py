@@ -117,7 +117,7 @@ class RotaryKeys:
     its attention kernels (pre-RoPE key quantization, KVQuant, Hooper et al. 2024).
 
     The cache holds each key before its rotation, centred and equalised per channel
-    (:class:`KeySmoothing` with ``pre_rope=True``). An attention kernel reads the key of KV
+    (:class:`KeySmoothing`, calibrated before RoPE). An attention kernel reads the key of KV
     head ``h`` at sequence position ``j`` (token ``j`` of its sequence: nybble's positions are
     the token indices) as
 

@@ -72,6 +72,7 @@ class LayerOps:
     rope_index: int = 0
     moe: Fn | None = None
     keys_before_rope: bool = False
+
     @classmethod
     def of(cls, layer: DecoderLayerParts,
            adapt: Callable[[str, Fn], Fn] | None = None) -> LayerOps:

@@ -203,6 +203,8 @@ class RotaryEmbedding(nn.Module):
             raise ValueError("unapply needs a full-width rotary embedding "
                              "(partial_rotary_factor 1)")
         return x * cos - torch.roll(x, self.half, -1) * sin
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """SwiGLU activation (Shazeer, 2020): ``x: [T, 2I] -> silu(x[:, :I]) * x[:, I:]``
     (a new contiguous tensor)."""

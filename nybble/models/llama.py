@@ -91,6 +91,7 @@ class LlamaAttention(nn.Module):
         # the zero point and rotary table of keys cached before RoPE (set with kv_scale when
         # the quantized cache holds pre-RoPE keys), or None
         self.rotary_keys: RotaryKeys | None = None
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                kv_cache: torch.Tensor, meta: AttentionMetadata,
                keys_before_rope: bool = False) -> torch.Tensor:
@@ -118,6 +119,8 @@ class LlamaAttention(nn.Module):
         out = self.backend.forward(q, kv_cache, meta, self.scale, self.kv_scale,
                                    **extra)  # (T, Hq, D)
         return out.view(q.shape[0], self.q_size)
+
+
 class LlamaMLP(nn.Module):
     """Gated feed-forward (SwiGLU, or GeGLU-tanh for Gemma) with a fused gate/up projection
     (run by :func:`nybble.models.layer_ops.post_attention`)."""

@@ -54,6 +54,8 @@ class PlanRequest:
     dtype: str = "float16"
     block_size: int = 16
     gpu_memory_utilization: float | None = None
+
+
 @dataclass(frozen=True)
 class MemoryPlan:
     """The plan for one GPU (one tensor-parallel rank).

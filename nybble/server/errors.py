@@ -56,6 +56,8 @@ def _field_location(loc: list[str]) -> tuple[list[str], str | None]:
     if len(loc) > 1 and loc[0] == "prompt" and loc[1] in PROMPT_FORMS:
         form, loc = PROMPT_FORMS[loc[1]], [loc[0], *loc[2:]]
     return [x for x in loc if not _UNION_LABEL.match(x)], form
+
+
 logger = logging.getLogger(__name__)
 
 

@@ -32,6 +32,7 @@ from nybble.kernels.kv_quant import RotaryKeys
 from nybble.kernels.triton.cache import quant_mode, scale_arg
 from nybble.kernels.triton.paged_decode import key_zero, kv_tile, rotary_args
 
+
 @triton.jit
 def _attn_stage(acc, l_i, m_i, q, q_pos, cache_ptr, bt_row, lo, hi, kvh_off, scale,
                 k_scale, v_scale, head_dim, block_size, window, softcap,

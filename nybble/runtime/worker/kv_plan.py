@@ -282,7 +282,8 @@ def plan_kv_cache(cache: CacheConfig, shape: ModelShape, dtype: torch.dtype,
     Without either flag the budget on CPU is :func:`default_cpu_kv_budget` (256 MiB, grown to
     hold one sequence of ``max_model_len`` tokens within a quarter of the machine's memory),
     or :func:`kv_budget_from_free` of the free device memory (after the weights are loaded)
-    on CUDA, :func:`kv_budget_from_utilization` there with ``gpu_memory_utilization``; blocks come from :func:`blocks_in_budget` (the functions ``nybble plan`` uses).
+    on CUDA, :func:`kv_budget_from_utilization` there with ``gpu_memory_utilization``;
+    blocks come from :func:`blocks_in_budget` (the functions ``nybble plan`` uses).
     ``cache.kv_cache_dtype`` picks the storage dtype (``dtype``, the model's, for ``auto``).
 
     Raises:
